@@ -1,0 +1,137 @@
+"""The embedded default: tiny models and real FSDP2 checkpoints written by real gloo ranks.
+
+`python -m rayexport.run --demo` uses it end to end; the tests and the benchmark use the same
+checkpoint writer, so what they export is what FSDP2 really saves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+PROMPT_IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
+
+
+def tiny_config(kind: str = "qwen2-tied", **overrides):
+    """A small model config: `qwen2-tied` (tied head) or `llama-untied`."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, dtype="float32",
+    )
+    common.update(overrides)
+    if kind == "qwen2-tied":
+        config = Qwen2Config(tie_word_embeddings=True, **common)
+        config.architectures = ["Qwen2ForCausalLM"]
+    elif kind == "llama-untied":
+        config = LlamaConfig(tie_word_embeddings=False, **common)
+        config.architectures = ["LlamaForCausalLM"]
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}")
+    return config
+
+
+def build_model(config, seed: int = 0) -> torch.nn.Module:
+    """The model for `config` with deterministic random weights (no download)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # move norms off 1.0 so a swapped or missing tensor changes logits
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model.eval()
+
+
+def reference_logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(PROMPT_IDS)).logits
+
+
+@dataclass(frozen=True)
+class WrittenCheckpoint:
+    path: str
+    world_size: int
+    logits: torch.Tensor
+
+
+def write_verl_checkpoint(
+    config, out_dir: str, world_size: int = 2, mesh_shape: tuple[int, ...] | None = None, seed: int = 0
+) -> WrittenCheckpoint:
+    """Write a verl-layout FSDP2 checkpoint of a tiny model with `world_size` gloo ranks.
+
+    `mesh_shape` (ddp, fsdp) gives an HSDP mesh; by default a 1-D ("fsdp",) mesh. Returns the
+    original model's logits on `PROMPT_IDS`.
+    """
+    import torch.multiprocessing as multiprocessing
+
+    os.makedirs(out_dir, exist_ok=True)
+    model = build_model(config, seed)
+    logits = reference_logits(model)
+    with tempfile.TemporaryDirectory(prefix="rayexport-demo-") as scratch:
+        full_state = os.path.join(scratch, "full.pt")
+        torch.save(model.state_dict(), full_state)
+        multiprocessing.spawn(
+            _write_rank,
+            args=(world_size, mesh_shape or (world_size,), config.to_dict(), full_state, out_dir,
+                  os.path.join(scratch, "rendezvous")),
+            nprocs=world_size,
+        )
+    with open(os.path.join(out_dir, "fsdp_config.json"), "w") as handle:
+        json.dump({"FSDP_version": 2, "world_size": world_size}, handle)
+    write_hf_folder(config, os.path.join(out_dir, "huggingface"))
+    return WrittenCheckpoint(out_dir, world_size, logits)
+
+
+def write_hf_folder(config, hf_dir: str) -> None:
+    """config.json, generation_config.json and a small word-level tokenizer, as verl saves them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    config.save_pretrained(hf_dir)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, max_new_tokens=16).save_pretrained(hf_dir)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(hf_dir)
+
+
+def _write_rank(rank, world_size, mesh_shape, config_dict, full_state, out_dir, rendezvous) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        config = AutoConfig.for_model(**config_dict)
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(torch.load(full_state, weights_only=True))
+        names = ("ddp", "fsdp") if len(mesh_shape) == 2 else ("fsdp",)
+        mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        torch.save(model.state_dict(), os.path.join(out_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_demo(destination: str | None = None, workers: int = 2, **options) -> "ExportReport":  # noqa: F821
+    """Write a tiny tied-embedding FSDP2 checkpoint with 2 gloo ranks, export and verify it."""
+    from rayexport.job import export
+
+    root = tempfile.mkdtemp(prefix="rayexport-demo-")
+    source = os.path.join(root, "global_step_1", "actor")
+    print(f"writing a tiny tied Qwen2-style FSDP2 checkpoint with 2 gloo ranks to {source}")
+    write_verl_checkpoint(tiny_config("qwen2-tied"), source, world_size=2)
+    return export(source, destination or os.path.join(root, "export"), workers=workers, **options)

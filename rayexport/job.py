@@ -1,0 +1,392 @@
+"""Orchestration: plan on the driver, run the worker actors, verify in a separate task, commit.
+
+Any failure kills every actor, removes the placement group, and leaves DST without a manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+from rayexport.errors import ExportError
+from rayexport.layouts.verl import HF_DIR, VerlCheckpoint, find_verl_checkpoint
+from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
+from rayexport.model import (
+    build_meta_model, config_dtype, exported_config, expected_tensors, fetch_hf_folder, load_config,
+)
+from rayexport.options import ExportOptions
+from rayexport.plan import (
+    assign_ranks, needed_ranks, plan_buckets, plan_shard_files, plan_tensors,
+)
+from rayexport.storage import Store, storage_options_from_env
+from rayexport.ties import check_tied_values, find_tie_aliases
+from rayexport.verification import ExpectedExport, verify_export
+from rayexport.workers import ExportWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExportReport:
+    """What an export did: per-stage seconds, bytes, peak memory per actor, files, verification."""
+
+    source: str
+    destination: str
+    manifest: str
+    layout: str
+    world_size: int
+    workers: int
+    backend: str
+    tensor_count: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    verification: dict[str, Any] = field(default_factory=dict)
+    already_committed: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def summary(self) -> str:
+        """A few lines for a person."""
+        if self.already_committed:
+            return f"{self.destination} already holds a committed export of {self.source}; nothing to do"
+        total = sum(self.seconds.values())
+        written = self.bytes.get("written", 0)
+        lines = [
+            f"exported {self.source}",
+            f"      to {self.destination}",
+            f"  {self.tensor_count} tensors in {sum(name.endswith('.safetensors') for name in self.files)} "
+            f"safetensors file(s), {written / 1e6:.1f} MB, {self.workers} worker(s) over {self.backend}",
+            "  stages: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.seconds.items())
+            + f" (total {total:.1f}s)",
+            f"  peak memory per actor: "
+            + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in self.peak_rss_bytes.items()),
+            "  verified: " + ", ".join(self.verification.get("checks", {})) if self.verification.get("passed")
+            else "  verification skipped (--verify none)",
+            f"  committed: {self.manifest}",
+        ]
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _stage(seconds: dict[str, float], name: str) -> Iterator[None]:
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = round(time.perf_counter() - started, 3)
+
+
+def export(src: str, dst: str, **options: Any) -> ExportReport:
+    """Export the checkpoint at `src` to a Hugging Face model at `dst`; see `ExportOptions`."""
+    return run_export(ExportOptions(src=src, dst=dst, **options))
+
+
+def run_export(options: ExportOptions) -> ExportReport:
+    """The whole export: plan, gather and write with Ray actors, verify, commit the manifest."""
+    seconds: dict[str, float] = {}
+    storage_options = storage_options_from_env(options.storage_options)
+    source = Store(options.src, storage_options)
+    destination = Store(options.dst, storage_options)
+    with _stage(seconds, "plan"):
+        checkpoint = find_verl_checkpoint(source)
+        _check_destination(source, destination)
+        existing = read_manifest(destination)
+        if existing is not None:
+            if _same_export(existing, checkpoint, options) and not options.force:
+                return _already_committed(options, checkpoint, existing)
+            if not options.force:
+                raise ExportError(
+                    f"'{destination.uri}' already holds a committed export of "
+                    f"{existing.get('source')} with other options; pass --force to replace it"
+                )
+            destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
+        model = _describe_model(source.child(HF_DIR), options)
+        destination.write_bytes(".rayexport-write-probe", b"")
+        destination.delete(".rayexport-write-probe")
+
+    import ray
+
+    _ensure_ray(options)
+    num_workers = _worker_count(options, checkpoint, ray.cluster_resources())
+    backend = choose_backend(options.backend, ray.cluster_resources().get("GPU", 0), num_workers)
+    group = WorkerGroup(num_workers, backend, options)
+    try:
+        with _stage(seconds, "start_workers"):
+            group.start()
+        with _stage(seconds, "load"):
+            rank_infos = group.load(source, checkpoint, {0: [0]})
+            ranks = needed_ranks(rank_infos[0], checkpoint.world_size)
+            worker_of_rank = assign_ranks(ranks, num_workers)
+            rest: dict[int, list[int]] = {}
+            for rank in ranks[1:]:
+                rest.setdefault(worker_of_rank[rank], []).append(rank)
+            rank_infos.update(group.load(source, checkpoint, rest))
+        plans, resolution, source_key_of = plan_tensors(
+            rank_infos, model["expected"], model["aliases"], options.dtype, model["config_dtype"]
+        )
+        pairs = [(source_key_of[a], source_key_of[b]) for a, b in resolution.to_compare]
+        differences = group.tied_differences(pairs)
+        check_tied_values({pair: differences[keys] for pair, keys in zip(resolution.to_compare, pairs)})
+        shard_files = plan_shard_files(plans, options.max_shard_size)
+        by_name = {plan.name: plan for plan in plans}
+        in_order = [by_name[name] for shard in shard_files for name in shard.tensors]
+        buckets = plan_buckets(in_order, worker_of_rank, num_workers, options.bucket_size)
+        written_dtypes = sorted({plan.dtype for plan in plans if plan.dtype.startswith(("float", "bfloat"))})
+        config_json = json.dumps(
+            exported_config(model["raw_config"], written_dtypes[0] if len(written_dtypes) == 1 else None),
+            indent=2, sort_keys=True,
+        ).encode() + b"\n"
+        with _stage(seconds, "transfer"):
+            result, worker_stats = group.transfer(
+                buckets, by_name, shard_files, source.child(HF_DIR), destination, model["hf_files"], config_json
+            )
+    finally:
+        group.shutdown()
+
+    tensors = {
+        plan.name: {"dtype": plan.dtype, "shape": list(plan.shape), "sha256": result["tensor_digests"][plan.name]}
+        for plan in plans
+    }
+    expected = ExpectedExport(files=result["files"], tensors=tensors, tied=_tied_pairs(model["aliases"], by_name))
+    with _stage(seconds, "verify"):
+        verification = _verify(destination, expected, options)
+    manifest = build_manifest(
+        source=source.uri,
+        layout=checkpoint.layout,
+        world_size=checkpoint.world_size,
+        options=options.recorded(),
+        files=result["files"],
+        tensors=tensors,
+        verification=verification,
+    )
+    with _stage(seconds, "commit"):
+        commit(destination, manifest)
+    return ExportReport(
+        source=source.uri,
+        destination=destination.uri,
+        manifest=destination.display(MANIFEST_NAME),
+        layout=checkpoint.layout,
+        world_size=checkpoint.world_size,
+        workers=num_workers,
+        backend=backend,
+        tensor_count=len(plans),
+        seconds=seconds,
+        bytes={
+            "read": sum(stats["bytes_read"] for stats in worker_stats),
+            "gathered": result["bytes_gathered"],
+            "written": sum(record["size"] for record in result["files"].values()),
+        },
+        peak_rss_bytes={f"worker{stats['worker']}": stats["peak_rss_bytes"] for stats in worker_stats},
+        files=result["files"],
+        verification=verification,
+    )
+
+
+def choose_backend(requested: str, gpus_in_cluster: float, num_workers: int) -> str:
+    """nccl when asked, or with `auto` when the cluster has a GPU for every worker; else gloo."""
+    if requested == "auto":
+        return "nccl" if gpus_in_cluster >= num_workers else "gloo"
+    return requested
+
+
+def _worker_count(options: ExportOptions, checkpoint: VerlCheckpoint, resources: dict[str, float]) -> int:
+    if options.workers is not None:
+        return min(options.workers, checkpoint.world_size)
+    available = int(resources.get("CPU", 1) // max(options.num_cpus_per_worker, 1e-9))
+    return max(1, min(checkpoint.world_size, available))
+
+
+def _check_destination(source: Store, destination: Store) -> None:
+    if type(source.fs) is type(destination.fs) and (
+        destination.root == source.root or destination.root.startswith(source.root.rstrip("/") + "/")
+    ):
+        raise ExportError(f"destination '{destination.uri}' is inside source '{source.uri}'")
+
+
+def _same_export(manifest: dict[str, Any], checkpoint: VerlCheckpoint, options: ExportOptions) -> bool:
+    return manifest.get("source") == checkpoint.uri and manifest.get("options") == options.recorded()
+
+
+def _already_committed(options: ExportOptions, checkpoint: VerlCheckpoint, manifest: dict[str, Any]) -> ExportReport:
+    log.info("%s already holds a committed export of %s", options.dst, checkpoint.uri)
+    return ExportReport(
+        source=checkpoint.uri, destination=options.dst, manifest=f"{options.dst.rstrip('/')}/{MANIFEST_NAME}",
+        layout=checkpoint.layout, world_size=checkpoint.world_size, workers=0, backend="none",
+        tensor_count=manifest.get("tensor_count", 0), files=manifest.get("files", {}),
+        verification=manifest.get("verification", {}), already_committed=True,
+    )
+
+
+def _describe_model(hf_store: Store, options: ExportOptions) -> dict[str, Any]:
+    """Config, meta model names/shapes and tie aliases, from the checkpoint's HF folder."""
+    with tempfile.TemporaryDirectory(prefix="rayexport-hf-") as local:
+        hf_files = fetch_hf_folder(hf_store, local)
+        config = load_config(local, options.trust_remote_code)
+        with open(os.path.join(local, "config.json")) as handle:
+            raw_config = json.load(handle)
+        meta_model = build_meta_model(config, options.trust_remote_code)
+    return {
+        "hf_files": hf_files,
+        "raw_config": raw_config,
+        "config_dtype": config_dtype(config),
+        "expected": expected_tensors(meta_model),
+        "aliases": find_tie_aliases(meta_model),
+    }
+
+
+def _tied_pairs(aliases: dict[str, str], written: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (canonical, alias) pairs the reload must find sharing memory."""
+    return sorted((canonical, alias) for alias, canonical in aliases.items() if canonical in written)
+
+
+def _verify(destination: Store, expected: ExpectedExport, options: ExportOptions) -> dict[str, Any]:
+    if options.verify == "none":
+        return {"passed": None, "skipped": True}
+    import ray
+
+    task = ray.remote(num_cpus=1, max_retries=0)(verify_export)
+    reference = task.remote(destination, expected, options.trust_remote_code, options.timeout_s)
+    return _get([reference], options.timeout_s, on_failure=lambda: ray.cancel(reference, force=True))[0]
+
+
+def _ensure_ray(options: ExportOptions) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=options.log_level, log_to_driver=True)
+    else:
+        ray.init(include_dashboard=False, logging_level=options.log_level, log_to_driver=True)
+
+
+def _get(references: list, timeout_s: float, on_failure) -> list:
+    """Wait for every reference; on the first error or at the deadline, call `on_failure` and
+    raise, so one dead worker ends the export at once instead of leaving others blocked."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(references)
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise GetTimeoutError(f"no answer within {timeout_s:.0f} s (--timeout)")
+            ray.get(ready[0])
+        return ray.get(list(references))
+    except RayTaskError as error:
+        on_failure()
+        cause = error.cause
+        if isinstance(cause, ExportError):
+            raise type(cause)(*cause.args) from None
+        raise cause from None
+    except RayActorError as error:
+        on_failure()
+        raise ExportError(f"an export worker died: {error}".splitlines()[0]) from None
+    except GetTimeoutError as error:
+        on_failure()
+        raise ExportError(f"export timed out: {error}") from None
+
+
+class WorkerGroup:
+    """The export's placement group and actors; `shutdown()` always removes both."""
+
+    def __init__(self, size: int, backend: str, options: ExportOptions) -> None:
+        self.size = size
+        self.backend = backend
+        self.options = options
+        self.actors: list = []
+        self.placement_group = None
+
+    def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpus = 1 if self.backend == "nccl" else 0
+        bundle = {"CPU": self.options.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+        self.placement_group = placement_group([bundle] * self.size, strategy="PACK")
+        ready = self.placement_group.ready()
+        if not ray.wait([ready], timeout=min(self.options.timeout_s, 120))[0]:
+            raise ExportError(
+                f"the Ray cluster cannot place {self.size} worker(s) of {bundle}; "
+                f"free resources: {ray.available_resources()}"
+            )
+        actor_class = ray.remote(ExportWorker)
+        device = "cuda" if gpus else "cpu"
+        for index in range(self.size):
+            self.actors.append(
+                actor_class.options(
+                    num_cpus=self.options.num_cpus_per_worker,
+                    num_gpus=gpus,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.placement_group, placement_group_bundle_index=index
+                    ),
+                ).remote(index, self.size, device, self.options.log_level)
+            )
+        host, port = self._get([self.actors[0].open_rendezvous.remote(self.options.timeout_s)])[0]
+        self._get([
+            actor.join_group.remote(self.backend, host, port, self.options.timeout_s) for actor in self.actors
+        ])
+
+    def load(self, source: Store, checkpoint: VerlCheckpoint, ranks_by_worker: dict[int, list[int]]) -> dict:
+        references = [
+            self.actors[worker].load.remote(source, checkpoint, ranks)
+            for worker, ranks in ranks_by_worker.items() if ranks
+        ]
+        infos: dict = {}
+        for part in self._get(references):
+            infos.update(part)
+        return infos
+
+    def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
+        if not pairs:
+            return {}
+        differences = {pair: 0.0 for pair in pairs}
+        for part in self._get([actor.tied_differences.remote(pairs) for actor in self.actors]):
+            for pair, value in part.items():
+                differences[pair] = max(differences[pair], value)
+        return differences
+
+    def transfer(self, buckets, plans, shard_files, source_hf, destination, hf_files, config_json):
+        """Run the gather: worker 0 exports, the others send; returns (export result, stats)."""
+        references = [
+            self.actors[0].export.remote(buckets, plans, shard_files, source_hf, destination, hf_files, config_json)
+        ] + [actor.send.remote(buckets) for actor in self.actors[1:]]
+        results = self._get(references)
+        exported = results[0]
+        stats = [exported] + results[1:]
+        return exported, stats
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Remove the actors (letting them leave the group and drop spooled files when
+        `graceful`) and the placement group."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if graceful and self.actors:
+            closing = [actor.close.remote() for actor in self.actors]
+            ray.wait(closing, num_returns=len(closing), timeout=30)
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        self.actors = []
+        if self.placement_group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+    def _get(self, references: list) -> list:
+        return _get(references, self.options.timeout_s, on_failure=lambda: self.shutdown(graceful=False))

@@ -1,0 +1,1 @@
+"""Checkpoint layouts: what a checkpoint prefix holds and how a worker reads its part."""

@@ -1,0 +1,49 @@
+"""The commit object: `export_manifest.json`, written last. Without it an export does not exist."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from rayexport.storage import Store
+
+MANIFEST_NAME = "export_manifest.json"
+MANIFEST_FORMAT = "rayexport/1"
+
+
+def build_manifest(
+    *,
+    source: str,
+    layout: str,
+    world_size: int,
+    options: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    tensors: dict[str, dict[str, Any]],
+    verification: dict[str, Any],
+) -> dict[str, Any]:
+    """The manifest's content: what was exported, how, every file's size and sha256, every
+    tensor's digest, and the verification result."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source": source,
+        "layout": layout,
+        "world_size": world_size,
+        "options": options,
+        "tensor_count": len(tensors),
+        "files": dict(sorted(files.items())),
+        "tensors": dict(sorted(tensors.items())),
+        "verification": verification,
+    }
+
+
+def read_manifest(store: Store) -> dict[str, Any] | None:
+    """The committed manifest at `store`, or None when there is no committed export."""
+    if not store.exists(MANIFEST_NAME):
+        return None
+    return store.read_json(MANIFEST_NAME)
+
+
+def commit(store: Store, manifest: dict[str, Any]) -> None:
+    """Write the manifest, the export's single commit point."""
+    store.write_json(MANIFEST_NAME, manifest)

@@ -1,0 +1,66 @@
+"""The export's options: one plain dataclass shared by the CLI, `export()` and the manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayexport.errors import ExportError
+
+BACKENDS = ("auto", "gloo", "nccl")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+VERIFY_LEVELS = ("full", "none")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like '1GiB', '5GB', '500MB' (GB = 10^9, GiB = 2^30)."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ExportError(f"cannot read size {value!r}; use e.g. 5GB or 512MiB")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
+
+
+@dataclass
+class ExportOptions:
+    """Everything one export needs to know. Sizes accept ints or strings like '1GiB'."""
+
+    src: str
+    dst: str
+    workers: int | None = None
+    backend: str = "auto"
+    bucket_size: int | str = "1GiB"
+    max_shard_size: int | str = "5GB"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    verify: str = "full"
+    force: bool = False
+    timeout_s: float = 1800.0
+    num_cpus_per_worker: float = 1.0
+    log_level: str = "INFO"
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("backend", BACKENDS), ("dtype", DTYPES), ("verify", VERIFY_LEVELS)):
+            if getattr(self, name) not in allowed:
+                raise ExportError(f"--{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        self.bucket_size = parse_size(self.bucket_size)
+        self.max_shard_size = parse_size(self.max_shard_size)
+        if self.workers is not None and self.workers < 1:
+            raise ExportError(f"--workers must be at least 1, not {self.workers}")
+        if self.bucket_size < 1:
+            raise ExportError("--bucket-size must be positive")
+
+    def recorded(self) -> dict[str, Any]:
+        """The options that decide the export's bytes, as stored in the manifest (no secrets)."""
+        return {
+            name: value
+            for name, value in dataclasses.asdict(self).items()
+            if name in ("dtype", "max_shard_size", "trust_remote_code", "verify")
+        }

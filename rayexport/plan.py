@@ -1,0 +1,363 @@
+"""Planning: from what the rank files hold to output tensors, shard files and gather buckets.
+
+Pure functions over metadata; no I/O, no Ray, no process groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from rayexport.errors import ExportError
+from rayexport.layouts.verl import ShardInfo
+from rayexport.names import normalize_key
+from rayexport.ties import TieResolution, resolve_tied_names
+
+# Packed buffers keep every piece at an offset that any dtype can be viewed at.
+PACK_ALIGNMENT = 16
+SAFETENSORS_NAME_PATTERN = "model{suffix}.safetensors"
+# torch dtype -> safetensors dtype code, listed in the safetensors library's own dtype order,
+# which decides the layout of tensors in a file.
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fn": "F8_E4M3",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "float64": "F64",
+    "int64": "I64",
+    "uint64": "U64",
+}
+_SAFETENSORS_DTYPE_RANK = {name: rank for rank, name in enumerate(SAFETENSORS_DTYPES)}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def itemsize(dtype_name: str) -> int:
+    return dtype_of(dtype_name).itemsize
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's slice of one source tensor: where it sits in the global tensor."""
+
+    rank: int
+    source_key: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One output tensor: its name, shape, dtypes and the pieces it is assembled from."""
+
+    name: str
+    source_key: str
+    shape: tuple[int, ...]
+    source_dtype: str
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One output safetensors file and its tensors, in the order they are written."""
+
+    filename: str
+    tensors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors gathered in one step; `sends[w]` are the pieces worker w packs, in order."""
+
+    tensors: tuple[str, ...]
+    sends: tuple[tuple[Piece, ...], ...]
+
+
+def output_dtype(source_dtype: str, requested: str, config_dtype: str | None) -> str:
+    """The dtype a tensor is written in: integers and bools are never cast."""
+    if source_dtype not in SAFETENSORS_DTYPES:
+        raise ExportError(f"dtype {source_dtype} cannot be written to safetensors")
+    if not dtype_of(source_dtype).is_floating_point:
+        return source_dtype
+    if requested == "auto":
+        return config_dtype or source_dtype
+    return requested
+
+
+def shard_extent(
+    info: ShardInfo, key: str, rank: int
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offset, shape) of a DTensor's local shard in its global tensor, or None for a replica
+    other than the first. Follows torch's rule: each mesh dim chunks what the previous left."""
+    assert info.global_shape is not None and info.placements is not None
+    offset = [0] * len(info.global_shape)
+    shape = list(info.global_shape)
+    for mesh_dim, placement in enumerate(info.placements):
+        index, parts = info.coordinate[mesh_dim], info.mesh_shape[mesh_dim]
+        if placement == "R":
+            if index != 0:
+                return None
+        elif placement.startswith("S") and placement[1:].isdigit():
+            dim = int(placement[1:])
+            chunk = math.ceil(shape[dim] / parts) if shape[dim] else 0
+            start = min(index * chunk, shape[dim])
+            offset[dim] += start
+            shape[dim] = max(0, min(chunk, shape[dim] - start))
+        else:
+            name = "Partial" if placement == "P" else placement
+            raise ExportError(f"tensor '{key}' in rank {rank} has unsupported placement {name}")
+    return tuple(offset), tuple(shape)
+
+
+def plain_pieces(
+    key: str, infos: dict[int, ShardInfo], expected_shape: tuple[int, ...]
+) -> tuple[Piece, ...]:
+    """Pieces of a plain (non-DTensor) tensor: replicated when every rank holds the full shape,
+    else sharded along dim 0 in rank order (FSDP1 without a device mesh)."""
+    ranks = sorted(infos)
+    dtype = infos[ranks[0]].dtype
+    if all(infos[rank].local_shape == expected_shape for rank in ranks):
+        return (Piece(ranks[0], key, (0,) * len(expected_shape), expected_shape, dtype),)
+    if expected_shape and all(
+        infos[rank].local_shape[1:] == expected_shape[1:] for rank in ranks
+    ) and sum(infos[rank].local_shape[0] for rank in ranks) == expected_shape[0]:
+        pieces, row = [], 0
+        for rank in ranks:
+            shape = infos[rank].local_shape
+            pieces.append(Piece(rank, key, (row,) + (0,) * (len(shape) - 1), shape, dtype))
+            row += shape[0]
+        return tuple(pieces)
+    shapes = ", ".join(f"rank {rank}: {list(infos[rank].local_shape)}" for rank in ranks)
+    raise ExportError(
+        f"tensor '{key}' shards ({shapes}) do not add up to its shape {list(expected_shape)}"
+    )
+
+
+def dtensor_pieces(
+    key: str, infos: dict[int, ShardInfo], expected_shape: tuple[int, ...]
+) -> tuple[Piece, ...]:
+    """Pieces of a DTensor: one per rank that holds a first-replica shard."""
+    pieces = []
+    for rank in sorted(infos):
+        info = infos[rank]
+        if info.global_shape != expected_shape:
+            raise ExportError(
+                f"tensor '{key}' in rank {rank} has global shape {list(info.global_shape or ())}, "
+                f"but the config's model expects {list(expected_shape)}"
+            )
+        extent = shard_extent(info, key, rank)
+        if extent is None:
+            continue
+        offset, shape = extent
+        if shape != info.local_shape:
+            raise ExportError(
+                f"tensor '{key}' in rank {rank} holds shape {list(info.local_shape)}, but its "
+                f"placement says {list(shape)}: rank files from different runs?"
+            )
+        if math.prod(shape):
+            pieces.append(Piece(rank, key, offset, shape, info.dtype))
+    covered = sum(math.prod(piece.shape) for piece in pieces)
+    if covered != math.prod(expected_shape):
+        raise ExportError(
+            f"tensor '{key}' shards cover {covered} of its {math.prod(expected_shape)} elements"
+        )
+    if not pieces:  # an empty tensor still needs one (empty) piece to be assembled from
+        first = min(infos)
+        pieces.append(Piece(first, key, (0,) * len(expected_shape), expected_shape, infos[first].dtype))
+    return tuple(pieces)
+
+
+def plan_tensors(
+    rank_infos: dict[int, dict[str, ShardInfo]],
+    expected: dict[str, tuple[tuple[int, ...], str]],
+    aliases: dict[str, str],
+    requested_dtype: str,
+    config_dtype: str | None,
+) -> tuple[list[TensorPlan], TieResolution, dict[str, str]]:
+    """Match the rank files' keys to the model's names and plan how each tensor is assembled.
+
+    `expected` maps every state-dict name of the config's model (aliases included) to its shape
+    and dtype; `aliases` maps tied alias names to their canonical names. Returns the plans, how
+    ties were resolved, and the source key of every normalised name.
+    """
+    ranks = sorted(rank_infos)
+    reference_rank = ranks[0]
+    reference_keys = set(rank_infos[reference_rank])
+    for rank in ranks[1:]:
+        keys = set(rank_infos[rank])
+        if keys != reference_keys:
+            key = sorted(keys ^ reference_keys)[0]
+            holder = rank if key in keys else reference_rank
+            raise ExportError(
+                f"rank files disagree: only rank {holder} of ranks {reference_rank} and {rank} "
+                f"holds tensor '{key}'"
+            )
+    source_key_of: dict[str, str] = {}
+    for key in rank_infos[reference_rank]:
+        name = normalize_key(key)
+        if name in source_key_of:
+            raise ExportError(f"keys '{source_key_of[name]}' and '{key}' both name tensor '{name}'")
+        source_key_of[name] = key
+
+    resolution = resolve_tied_names(source_key_of, aliases)
+    wanted = [name for name in expected if name not in aliases]
+    missing = [name for name in wanted if name not in resolution.sources]
+    if missing:
+        raise ExportError(
+            f"the checkpoint has no tensor '{missing[0]}' that the config's model needs"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    unexpected = [name for name in resolution.sources if name not in expected]
+    if unexpected:
+        raise ExportError(
+            f"the checkpoint's tensor '{source_key_of[resolution.sources[unexpected[0]]]}' is not "
+            f"in the config's model" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+        )
+
+    plans = []
+    for name in wanted:
+        key = source_key_of[resolution.sources[name]]
+        infos = {rank: rank_infos[rank][key] for rank in ranks}
+        expected_shape = tuple(expected[name][0])
+        dtypes = {info.dtype for info in infos.values()}
+        if len(dtypes) != 1:
+            raise ExportError(f"tensor '{key}' has different dtypes across ranks: {sorted(dtypes)}")
+        source_dtype = dtypes.pop()
+        is_dtensor = [info.global_shape is not None for info in infos.values()]
+        if all(is_dtensor):
+            pieces = dtensor_pieces(key, infos, expected_shape)
+        elif not any(is_dtensor):
+            pieces = plain_pieces(key, infos, expected_shape)
+        else:
+            raise ExportError(f"tensor '{key}' is a DTensor in some rank files and plain in others")
+        plans.append(
+            TensorPlan(
+                name=name,
+                source_key=key,
+                shape=expected_shape,
+                source_dtype=source_dtype,
+                dtype=output_dtype(source_dtype, requested_dtype, config_dtype),
+                pieces=pieces,
+            )
+        )
+    return plans, resolution, source_key_of
+
+
+def safetensors_order(tensors: list[TensorPlan]) -> list[TensorPlan]:
+    """The order `safetensors.torch.save` lays tensors out in a file: by the library's dtype
+    order, last first, then by name; matching it makes a streamed shard byte-identical to a
+    library save."""
+    return sorted(tensors, key=lambda plan: (-_SAFETENSORS_DTYPE_RANK[plan.dtype], plan.name))
+
+
+def plan_shard_files(tensors: list[TensorPlan], max_shard_size: int | str) -> list[ShardFile]:
+    """Split the output into HF-convention files (huggingface_hub's greedy rule)."""
+    by_name = {plan.name: plan for plan in tensors}
+    split = split_state_dict_into_shards_factory(
+        by_name,
+        get_storage_size=lambda plan: plan.nbytes,
+        filename_pattern=SAFETENSORS_NAME_PATTERN,
+        max_shard_size=max_shard_size,
+    )
+    return [
+        ShardFile(
+            filename=filename,
+            tensors=tuple(plan.name for plan in safetensors_order([by_name[n] for n in names])),
+        )
+        for filename, names in split.filename_to_tensors.items()
+    ]
+
+
+def assign_ranks(ranks: list[int], num_workers: int) -> dict[int, int]:
+    """Spread the rank files to read over the workers in contiguous blocks; rank 0 stays on
+    worker 0, the exporter, so its shards never cross the network."""
+    ranks = sorted(ranks)
+    per_worker = math.ceil(len(ranks) / num_workers)
+    return {rank: position // per_worker for position, rank in enumerate(ranks)}
+
+
+def plan_buckets(
+    tensors_in_order: list[TensorPlan],
+    worker_of_rank: dict[int, int],
+    num_workers: int,
+    bucket_size: int,
+) -> list[Bucket]:
+    """Group output tensors, in write order, into buckets of at most `bucket_size` gathered
+    bytes (a larger tensor travels alone), so there is one collective per bucket."""
+    groups: list[list[TensorPlan]] = []
+    size = 0
+    for plan in tensors_in_order:
+        nbytes = sum(piece.nbytes for piece in plan.pieces)
+        if not groups or (size + nbytes > bucket_size and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(plan)
+        size += nbytes
+    buckets = []
+    for group in groups:
+        sends: list[list[Piece]] = [[] for _ in range(num_workers)]
+        for plan in group:
+            for piece in plan.pieces:
+                sends[worker_of_rank[piece.rank]].append(piece)
+        buckets.append(
+            Bucket(tensors=tuple(plan.name for plan in group), sends=tuple(map(tuple, sends)))
+        )
+    return buckets
+
+
+def packed_offsets(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
+    """Byte offset of each piece in a packed buffer, and the buffer's size."""
+    offsets, position = [], 0
+    for piece in pieces:
+        offsets.append(position)
+        position += -(-piece.nbytes // PACK_ALIGNMENT) * PACK_ALIGNMENT
+    return offsets, position
+
+
+def needed_ranks(rank_zero: dict[str, ShardInfo], world_size: int) -> list[int]:
+    """Ranks whose files hold data not found elsewhere, judged from rank 0's file: with HSDP
+    only the first replica along each replicated mesh dim is read."""
+    dtensor_infos = [info for info in rank_zero.values() if info.global_shape is not None]
+    if not dtensor_infos:
+        return list(range(world_size))
+    mesh_shape, mesh_ranks = dtensor_infos[0].mesh_shape, dtensor_infos[0].mesh_ranks
+    needed = set(range(world_size)) - set(mesh_ranks)
+    for position, rank in enumerate(mesh_ranks):
+        coordinate = _unravel(position, mesh_shape)
+        if any(
+            all(coordinate[dim] == 0 for dim, code in enumerate(info.placements) if code == "R")
+            for info in dtensor_infos
+        ):
+            needed.add(rank)
+    return sorted(needed)
+
+
+def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    coordinate = []
+    for size in reversed(shape):
+        coordinate.append(index % size)
+        index //= size
+    return tuple(reversed(coordinate))

@@ -1,0 +1,64 @@
+"""Reload an export with transformers, in a process of its own.
+
+Run as `python -m rayexport.reload_check DIR [--trust-remote-code] [--tied CANONICAL=ALIAS ...]`
+by the verification step, with storage credentials removed from its environment and an empty
+module cache, because remote code executes on import. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def reload_and_probe(path: str, trust_remote_code: bool, tied: list[tuple[str, str]]) -> dict:
+    """Load the export, report missing/unexpected keys, tie sharing and a forward pass."""
+    from transformers import AutoConfig
+
+    from rayexport.model import model_class
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model, info = model_class(config).load(
+        path, trust_remote_code, output_loading_info=True, dtype="auto"
+    )
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    result = {
+        "class": type(model).__name__,
+        "missing_keys": sorted(info.get("missing_keys", [])),
+        "unexpected_keys": sorted(info.get("unexpected_keys", [])),
+        "mismatched_keys": sorted(str(item) for item in info.get("mismatched_keys", [])),
+        "untied": [
+            f"{canonical}={alias}"
+            for canonical, alias in tied
+            if canonical not in parameters
+            or alias not in parameters
+            or parameters[canonical].data_ptr() != parameters[alias].data_ptr()
+        ],
+    }
+    vocab = getattr(config, "vocab_size", None) or max(PROMPT_IDS) + 1
+    input_ids = torch.tensor([[token % vocab for token in PROMPT_IDS]])
+    with torch.no_grad():
+        output = model(input_ids=input_ids)
+    logits = getattr(output, "logits", None)
+    result["logits_finite"] = bool(torch.isfinite(logits).all()) if logits is not None else None
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rayexport.reload_check")
+    parser.add_argument("path")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--tied", action="append", default=[], metavar="CANONICAL=ALIAS")
+    args = parser.parse_args(argv)
+    tied = [tuple(item.split("=", 1)) for item in args.tied]
+    json.dump(reload_and_probe(args.path, args.trust_remote_code, tied), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The command line: `python -m rayexport.run --src URI --dst URI [options]` or `--demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import traceback
+
+from rayexport.errors import ExportError
+from rayexport.options import BACKENDS, DTYPES, VERIFY_LEVELS, ExportOptions
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m rayexport.run",
+        description="Export a sharded FSDP checkpoint to a verified Hugging Face model.",
+    )
+    parser.add_argument("--src", help="checkpoint prefix (local path, file://, s3://, any fsspec URI)")
+    parser.add_argument("--dst", help="where the Hugging Face model is written")
+    parser.add_argument("--demo", action="store_true", help="export a tiny embedded FSDP2 checkpoint")
+    parser.add_argument("--workers", type=int, help="worker actors (default: min(world size, cluster CPUs))")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="nccl on GPUs, gloo on CPUs")
+    parser.add_argument("--bucket-size", default="1GiB", help="bytes gathered per step (default 1GiB)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="output dtype (auto: the config's)")
+    parser.add_argument("--storage-options", type=json.loads, default={}, metavar="JSON",
+                        help="fsspec/s3fs options, e.g. '{\"endpoint_url\": \"http://...\"}'")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
+    parser.add_argument("--verify", choices=VERIFY_LEVELS, default="full", help="checks before commit")
+    parser.add_argument("--force", action="store_true", help="replace a committed export at DST")
+    parser.add_argument("--timeout", type=float, default=1800.0, dest="timeout_s",
+                        help="deadline in seconds for each distributed step and the verification")
+    parser.add_argument("--num-cpus-per-worker", type=float, default=1.0)
+    parser.add_argument("--report", metavar="PATH|-", help="write the report as JSON to PATH or stdout")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--debug", action="store_true", help="full tracebacks on errors")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if not args.demo and not (args.src and args.dst):
+        parser.error("--src and --dst are required (or --demo)")
+    option_names = (
+        "workers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
+        "trust_remote_code", "verify", "force", "timeout_s", "num_cpus_per_worker", "log_level",
+    )
+    options = {name: getattr(args, name) for name in option_names}
+    try:
+        if args.demo:
+            from rayexport.demo import run_demo
+
+            options["workers"] = options["workers"] or 2
+            report = run_demo(args.dst, **options)
+        else:
+            from rayexport.job import run_export
+
+            report = run_export(ExportOptions(src=args.src, dst=args.dst, **options))
+    except ExportError as error:
+        if args.debug:
+            traceback.print_exc()
+        print(f"rayexport: error: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
+        if args.debug:
+            traceback.print_exc()
+        print(f"rayexport: internal error: {type(error).__name__}: {error}".splitlines()[0], file=sys.stderr)
+        return 2
+    print(report.summary())
+    if args.report == "-":
+        print(report.to_json())
+    elif args.report:
+        with open(args.report, "w") as handle:
+            handle.write(report.to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

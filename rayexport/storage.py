@@ -1,0 +1,171 @@
+"""Object storage through fsspec: one `Store` per URI prefix, with commit-or-discard writes.
+
+Every object is written with `autocommit=False` and committed only after its last byte, so an
+exception mid-write never publishes a truncated object (fsspec's plain `with fs.open(..., "wb")`
+would commit on `__exit__`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import posixpath
+from dataclasses import dataclass, field
+from typing import IO, Any, Iterator
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from rayexport.errors import ExportError
+
+log = logging.getLogger(__name__)
+
+_CREDENTIAL_ENV = {
+    "AWS_ACCESS_KEY_ID": "key",
+    "AWS_SECRET_ACCESS_KEY": "secret",
+    "AWS_SESSION_TOKEN": "token",
+}
+
+
+def storage_options_from_env(explicit: dict[str, Any] | None = None) -> dict[str, Any]:
+    """S3 options from the standard AWS variables, overridden by `explicit` (`--storage-options`).
+
+    Workers may run on other nodes with another environment, so the driver resolves the
+    endpoint and credentials once and hands them to every actor.
+    """
+    options: dict[str, Any] = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    for variable, option in _CREDENTIAL_ENV.items():
+        if os.environ.get(variable):
+            options[option] = os.environ[variable]
+    options.update(explicit or {})
+    return options
+
+
+@dataclass
+class Store:
+    """A URI prefix on any fsspec filesystem; names passed to its methods are relative to it."""
+
+    uri: str
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.uri = self.uri.rstrip("/") or self.uri
+        protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
+        fs_options = self.options if protocol in ("s3", "s3a") else {}
+        try:
+            self.fs, self.root = url_to_fs(self.uri, **fs_options)
+        except (ValueError, ImportError) as error:
+            raise ExportError(f"cannot open storage URI '{self.uri}': {error}") from None
+        self.is_local = "file" in _protocols(self.fs)
+
+    def display(self, name: str = "") -> str:
+        """The URI of `name`, for messages."""
+        return f"{self.uri}/{name}" if name else self.uri
+
+    def path(self, name: str = "") -> str:
+        return posixpath.join(self.root, name) if name else self.root
+
+    def child(self, name: str) -> "Store":
+        """The store for a sub-prefix, sharing options."""
+        return Store(self.uri.rstrip("/") + "/" + name.strip("/"), self.options)
+
+    def exists(self, name: str = "") -> bool:
+        return self._call("check", name, self.fs.exists, self.path(name))
+
+    def list(self, name: str = "") -> list[str]:
+        """Names of the files directly under `name` (empty when it does not exist)."""
+        path = self.path(name)
+        try:
+            self.fs.invalidate_cache(path)
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as error:  # noqa: BLE001 - storage clients raise many types
+            raise ExportError(f"cannot list '{self.display(name)}': {error}") from None
+        return sorted(
+            posixpath.basename(entry["name"].rstrip("/"))
+            for entry in entries
+            if entry.get("type") == "file"
+        )
+
+    def size(self, name: str) -> int:
+        return self._call("stat", name, self.fs.size, self.path(name))
+
+    def read_bytes(self, name: str) -> bytes:
+        return self._call("read", name, self.fs.cat_file, self.path(name))
+
+    def read_json(self, name: str) -> Any:
+        data = self.read_bytes(name)
+        try:
+            return json.loads(data)
+        except ValueError as error:
+            raise ExportError(f"'{self.display(name)}' is not valid JSON: {error}") from None
+
+    def open_read(self, name: str) -> IO[bytes]:
+        return self._call("open", name, self.fs.open, self.path(name), "rb")
+
+    def download(self, name: str, local_path: str) -> None:
+        """Copy one object to a local file."""
+        if self.is_local:
+            # Reading in place keeps a local checkpoint memory-mappable without a copy.
+            raise ValueError("download() is for remote stores; use path() for local ones")
+        self._call("download", name, self.fs.get_file, self.path(name), local_path)
+
+    def delete(self, name: str) -> None:
+        if self.exists(name):
+            self._call("delete", name, self.fs.rm_file, self.path(name))
+
+    @contextlib.contextmanager
+    def writer(self, name: str) -> Iterator[IO[bytes]]:
+        """Write one object that appears only if the block finishes without an exception."""
+        path = self.path(name)
+        if self.is_local:
+            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        handle = self._call("open for writing", name, self.fs.open, path, "wb", autocommit=False)
+        try:
+            yield handle
+            handle.close()
+            self._call("commit", name, handle.commit)
+        except BaseException:
+            _discard(handle)
+            raise
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.writer(name) as handle:
+            handle.write(data)
+
+    def write_json(self, name: str, value: Any) -> None:
+        self.write_bytes(name, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+    def _call(self, operation: str, name: str, function, *args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except FileNotFoundError:
+            raise ExportError(f"not found: '{self.display(name)}'") from None
+        except ExportError:
+            raise
+        except Exception as error:  # noqa: BLE001 - storage clients raise many types
+            raise ExportError(
+                f"storage {operation} failed for '{self.display(name)}': {type(error).__name__}: {error}"
+            ) from None
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _discard(handle: Any) -> None:
+    """Drop an uncommitted object: abort its multipart upload, or remove its local temp file."""
+    try:
+        local_file = getattr(handle, "f", None)
+        if local_file is not None:
+            local_file.close()
+        handle.discard()
+    except Exception as error:  # noqa: BLE001 - best effort while another error propagates
+        log.warning("could not discard a partial write: %s", error)

@@ -1,0 +1,212 @@
+"""Verification: the checks an export must pass before its manifest is written.
+
+Structure and integrity are read from the destination alone; loadability runs transformers in
+a separate process without storage credentials (remote code executes on import).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayexport.errors import ExportError
+from rayexport.storage import Store
+from rayexport.writer import INDEX_NAME
+
+SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+SINGLE_FILE = "model.safetensors"
+# Variables that carry storage credentials; never passed to the process that imports remote code.
+SECRET_ENV = re.compile(r"^(AWS_|GOOGLE_|AZURE_|GCS_|S3_|HF_TOKEN|HUGGING_FACE_HUB_TOKEN)")
+
+
+class VerificationError(ExportError):
+    """An export failed a check; the message names the check and the tensor or file."""
+
+
+@dataclass
+class ExpectedExport:
+    """What the exporter recorded while writing."""
+
+    files: dict[str, dict[str, Any]]
+    tensors: dict[str, dict[str, Any]]
+    tied: list[tuple[str, str]] = field(default_factory=list)
+
+
+def shard_names(local_dir: str) -> list[str]:
+    """The weight files an export's index (or single file) names, after checking the names."""
+    index_path = os.path.join(local_dir, INDEX_NAME)
+    if not os.path.exists(index_path):
+        if not os.path.exists(os.path.join(local_dir, SINGLE_FILE)):
+            raise VerificationError(f"structure: neither {INDEX_NAME} nor {SINGLE_FILE} exists")
+        return [SINGLE_FILE]
+    try:
+        with open(index_path) as handle:
+            weight_map = json.load(handle)["weight_map"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise VerificationError(f"structure: {INDEX_NAME} is not a valid index: {error}") from None
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if not isinstance(name, str) or not SHARD_NAME.match(name):
+            raise VerificationError(f"structure: index names an invalid shard file {name!r}")
+    return names
+
+
+def check_structure(local_dir: str) -> dict[str, Any]:
+    """Every shard exists and parses, no key twice, index == union of shards, total_size right,
+    no stray weight files."""
+    from safetensors import safe_open
+
+    names = shard_names(local_dir)
+    seen: dict[str, str] = {}
+    total = 0
+    for name in names:
+        path = os.path.join(local_dir, name)
+        if not os.path.exists(path):
+            raise VerificationError(f"structure: shard {name} named by the index is missing")
+        try:
+            with safe_open(path, framework="pt") as handle:
+                for key in handle.keys():
+                    if key in seen:
+                        raise VerificationError(f"structure: tensor '{key}' is in both {seen[key]} and {name}")
+                    seen[key] = name
+                    sliced = handle.get_slice(key)
+                    total += _nbytes(sliced.get_shape(), sliced.get_dtype())
+        except VerificationError:
+            raise
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
+            raise VerificationError(f"structure: shard {name} cannot be parsed: {error}") from None
+    if len(names) > 1 or os.path.exists(os.path.join(local_dir, INDEX_NAME)):
+        with open(os.path.join(local_dir, INDEX_NAME)) as handle:
+            index = json.load(handle)
+        if set(index["weight_map"]) != set(seen) or any(
+            seen[key] != shard for key, shard in index["weight_map"].items()
+        ):
+            key = sorted(set(index["weight_map"]) ^ set(seen) or index["weight_map"])[0]
+            raise VerificationError(f"structure: index and shards disagree about tensor '{key}'")
+        if index.get("metadata", {}).get("total_size") != total:
+            raise VerificationError(
+                f"structure: index total_size {index.get('metadata', {}).get('total_size')} "
+                f"!= {total} bytes of tensors"
+            )
+    stray = sorted(
+        name for name in os.listdir(local_dir)
+        if name.endswith((".safetensors", ".bin", ".pt")) and name not in names
+    )
+    if stray:
+        raise VerificationError(f"structure: stray weight file {stray[0]}")
+    return {"shards": len(names), "tensors": len(seen), "bytes": total}
+
+
+def check_files(local_dir: str, expected: ExpectedExport) -> dict[str, Any]:
+    """Every recorded file has its recorded size and sha256."""
+    for name, record in sorted(expected.files.items()):
+        path = os.path.join(local_dir, name)
+        if not os.path.exists(path):
+            raise VerificationError(f"integrity: file {name} is missing")
+        digest = _file_sha256(path)
+        if digest != record["sha256"] or os.path.getsize(path) != record["size"]:
+            raise VerificationError(f"integrity: file {name} does not match its recorded sha256")
+    return {"files": len(expected.files)}
+
+
+def check_tensors(local_dir: str, expected: ExpectedExport) -> dict[str, Any]:
+    """Every tensor read back has the recorded dtype, shape and digest, and nothing else is there."""
+    from safetensors import safe_open
+
+    from rayexport.writer import tensor_bytes
+
+    found = set()
+    for name in shard_names(local_dir):
+        with safe_open(os.path.join(local_dir, name), framework="pt") as handle:
+            for key in handle.keys():
+                record = expected.tensors.get(key)
+                if record is None:
+                    raise VerificationError(f"integrity: tensor '{key}' in {name} was never written")
+                tensor = handle.get_tensor(key)
+                if list(tensor.shape) != list(record["shape"]) or str(tensor.dtype) != f"torch.{record['dtype']}":
+                    raise VerificationError(f"integrity: tensor '{key}' has the wrong shape or dtype")
+                if hashlib.sha256(tensor_bytes(tensor)).hexdigest() != record["sha256"]:
+                    raise VerificationError(f"integrity: tensor '{key}' does not match its recorded digest")
+                found.add(key)
+    missing = sorted(set(expected.tensors) - found)
+    if missing:
+        raise VerificationError(f"integrity: tensor '{missing[0]}' is missing from the export")
+    return {"tensors": len(found)}
+
+
+def check_reload(local_dir: str, trust_remote_code: bool, tied: list[tuple[str, str]], timeout_s: float) -> dict[str, Any]:
+    """transformers loads the export in a clean process: no missing or unexpected keys, tied
+    tensors share memory, and a forward pass gives finite logits."""
+    env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
+    with tempfile.TemporaryDirectory(prefix="rayexport-modules-") as modules:
+        env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        command = [sys.executable, "-m", "rayexport.reload_check", local_dir]
+        command += ["--trust-remote-code"] if trust_remote_code else []
+        for canonical, alias in tied:
+            command += ["--tied", f"{canonical}={alias}"]
+        try:
+            completed = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=modules
+            )
+        except subprocess.TimeoutExpired:
+            raise VerificationError(f"reload: transformers did not load the export in {timeout_s:.0f} s") from None
+    if completed.returncode != 0:
+        lines = [line for line in completed.stderr.strip().splitlines() if line.strip()]
+        raise VerificationError(f"reload: transformers cannot load the export: {lines[-1] if lines else 'no output'}")
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    for field_name in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        if result[field_name]:
+            raise VerificationError(f"reload: {field_name.replace('_', ' ')} {result[field_name][:3]}")
+    if result["untied"]:
+        raise VerificationError(f"reload: tied tensors do not share memory: {result['untied'][0]}")
+    if result["logits_finite"] is False:
+        raise VerificationError("reload: the forward pass gives non-finite logits")
+    return result
+
+
+def verify_export(dst: Store, expected: ExpectedExport, trust_remote_code: bool, timeout_s: float) -> dict[str, Any]:
+    """Run every check on the export at `dst`; raise VerificationError on the first failure,
+    else return each check's numbers."""
+    with tempfile.TemporaryDirectory(prefix="rayexport-verify-") as scratch:
+        local_dir = dst.path() if dst.is_local else _download_all(dst, scratch)
+        checks = {
+            "structure": check_structure(local_dir),
+            "files": check_files(local_dir, expected),
+            "tensors": check_tensors(local_dir, expected),
+            "reload": check_reload(local_dir, trust_remote_code, expected.tied, timeout_s),
+        }
+    return {"passed": True, "checks": checks}
+
+
+def _download_all(store: Store, local_dir: str) -> str:
+    for name in store.fs.find(store.path()):
+        relative = os.path.relpath(name, store.path())
+        target = os.path.join(local_dir, relative)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        store.download(relative, target)
+    return local_dir
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _nbytes(shape: list[int], dtype_code: str) -> int:
+    from rayexport.plan import SAFETENSORS_DTYPES, itemsize
+
+    torch_name = {code: name for name, code in SAFETENSORS_DTYPES.items()}[dtype_code]
+    count = 1
+    for size in shape:
+        count *= size
+    return count * itemsize(torch_name)

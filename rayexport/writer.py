@@ -1,0 +1,99 @@
+"""Writing: HF-convention safetensors shards streamed tensor by tensor, plus their index.
+
+The header of each file is computed from the plan before any tensor arrives (safetensors has
+no streaming writer), so each shard is written in one pass without holding it in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from rayexport.errors import ExportError
+from rayexport.plan import SAFETENSORS_DTYPES, ShardFile, TensorPlan
+from rayexport.storage import Store
+
+INDEX_NAME = "model.safetensors.index.json"
+HEADER_METADATA = {"format": "pt"}
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    name: str
+    size: int
+    sha256: str
+
+
+def safetensors_header(tensors: list[TensorPlan]) -> bytes:
+    """The length prefix and JSON header of a safetensors file holding `tensors` in order,
+    padded with spaces to 8 bytes as the safetensors library does."""
+    header: dict[str, object] = {"__metadata__": HEADER_METADATA}
+    offset = 0
+    for plan in tensors:
+        header[plan.name] = {
+            "dtype": SAFETENSORS_DTYPES[plan.dtype],
+            "shape": list(plan.shape),
+            "data_offsets": [offset, offset + plan.nbytes],
+        }
+        offset += plan.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor, without a copy when it is contiguous."""
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def index_json(shard_files: list[ShardFile], plans: dict[str, TensorPlan]) -> dict:
+    """`model.safetensors.index.json` as transformers writes it."""
+    weight_map = {name: shard.filename for shard in shard_files for name in shard.tensors}
+    total_size = sum(plans[name].nbytes for name in weight_map)
+    return {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def write_shards(
+    store: Store,
+    shard_files: list[ShardFile],
+    plans: dict[str, TensorPlan],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    on_tensor: Callable[[int], None] = lambda nbytes: None,
+) -> tuple[list[WrittenFile], dict[str, str]]:
+    """Stream `tensors` (in the planned order) into their shard files.
+
+    Returns each file's size and sha256, and each tensor's sha256; a file becomes visible only
+    once all its bytes are written.
+    """
+    written, digests = [], {}
+    for shard in shard_files:
+        ordered = [plans[name] for name in shard.tensors]
+        header = safetensors_header(ordered)
+        file_digest = hashlib.sha256(header)
+        size = len(header)
+        with store.writer(shard.filename) as handle:
+            handle.write(header)
+            for plan in ordered:
+                name, tensor = next(tensors)
+                if name != plan.name or tuple(tensor.shape) != plan.shape:
+                    raise ExportError(
+                        f"internal error: expected tensor '{plan.name}' {list(plan.shape)}, "
+                        f"got '{name}' {list(tensor.shape)}"
+                    )
+                data = tensor_bytes(tensor.to(getattr(torch, plan.dtype)))
+                handle.write(data)
+                file_digest.update(data)
+                digests[name] = hashlib.sha256(data).hexdigest()
+                size += plan.nbytes
+                on_tensor(plan.nbytes)
+        written.append(WrittenFile(shard.filename, size, file_digest.hexdigest()))
+    if len(shard_files) > 1:
+        data = (json.dumps(index_json(shard_files, plans), indent=2) + "\n").encode()
+        store.write_bytes(INDEX_NAME, data)
+        written.append(WrittenFile(INDEX_NAME, len(data), hashlib.sha256(data).hexdigest()))
+    return written, digests
