@@ -1,0 +1,96 @@
+"""The CLI as a user runs it: real FSDP2 checkpoints on the S3 server, exported by Ray actors
+over gloo back to S3, reloaded with transformers in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from helpers import download, reload_logits, run_cli, s3_exists
+
+pytestmark = pytest.mark.usefixtures("ray_address")
+
+
+def export_and_reload(src: str, dst: str, tmp_path, *extra: str) -> tuple[dict, str, dict]:
+    completed = run_cli("--src", src, "--dst", dst, "--workers", "2", "--report", "-", *extra)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(completed.stdout[completed.stdout.index("{"):])
+    local = download(dst, str(tmp_path / "export"))
+    return report, local, reload_logits(local)
+
+
+def weight_keys(local: str) -> set[str]:
+    keys = set()
+    for name in ("model.safetensors",):
+        with safe_open(f"{local}/{name}", framework="pt") as handle:
+            keys |= set(handle.keys())
+    return keys
+
+
+def test_tied_model_s3_to_s3_matches_original(checkpoints, s3_checkpoints, s3_prefix, tmp_path):
+    report, local, reloaded = export_and_reload(s3_checkpoints["tied"], s3_prefix, tmp_path)
+    assert report["world_size"] == 3 and report["workers"] == 2 and report["backend"] == "gloo"
+    assert report["verification"]["passed"] is True
+    torch.testing.assert_close(torch.tensor(reloaded["logits"]), checkpoints["tied"].logits, rtol=1e-5, atol=1e-6)
+    assert reloaded["shared"] is True
+    keys = weight_keys(local)
+    assert "model.embed_tokens.weight" in keys
+    assert "lm_head.weight" not in keys
+    manifest = json.load(open(f"{local}/export_manifest.json"))
+    assert manifest["source"] == s3_checkpoints["tied"]
+    assert set(manifest["files"]) >= {"model.safetensors", "config.json", "tokenizer.json", "generation_config.json"}
+    assert manifest["tensor_count"] == len(keys)
+
+
+def test_untied_model_keeps_its_head(checkpoints, s3_checkpoints, s3_prefix, tmp_path):
+    _, local, reloaded = export_and_reload(s3_checkpoints["untied"], s3_prefix, tmp_path)
+    torch.testing.assert_close(torch.tensor(reloaded["logits"]), checkpoints["untied"].logits, rtol=1e-5, atol=1e-6)
+    assert reloaded["shared"] is False
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= weight_keys(local)
+
+
+def test_hsdp_mesh_reads_one_replica(checkpoints, s3_checkpoints, s3_prefix, tmp_path):
+    report, _, reloaded = export_and_reload(s3_checkpoints["hsdp"], s3_prefix, tmp_path)
+    torch.testing.assert_close(torch.tensor(reloaded["logits"]), checkpoints["hsdp"].logits, rtol=1e-5, atol=1e-6)
+    # ranks 2 and 3 hold the second "ddp" replica, identical to ranks 0 and 1: never read
+    first_replica = sum(os.path.getsize(f"{checkpoints['hsdp'].path}/model_world_size_4_rank_{rank}.pt") for rank in (0, 1))
+    assert report["world_size"] == 4 and report["bytes"]["read"] == first_replica
+
+
+def test_bfloat16_output_and_several_shard_files(checkpoints, s3_checkpoints, s3_prefix, tmp_path):
+    report, local, reloaded = export_and_reload(
+        s3_checkpoints["tied"], s3_prefix, tmp_path, "--dtype", "bfloat16", "--max-shard-size", "100KB",
+        "--bucket-size", "20KB",
+    )
+    shards = sorted(name for name in report["files"] if name.endswith(".safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.load(open(f"{local}/model.safetensors.index.json"))
+    assert "lm_head.weight" not in index["weight_map"]
+    assert json.load(open(f"{local}/config.json"))["dtype"] == "bfloat16"
+    assert reloaded["dtype"] == "torch.bfloat16" and reloaded["shared"] is True
+    torch.testing.assert_close(
+        torch.tensor(reloaded["logits"]), checkpoints["tied"].logits, rtol=0.05, atol=0.02
+    )
+
+
+def test_local_paths_work_too(checkpoints, tmp_path):
+    destination = tmp_path / "out"
+    completed = run_cli("--src", checkpoints["untied"].path, "--dst", str(destination), "--workers", "3")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "committed:" in completed.stdout
+    torch.testing.assert_close(
+        torch.tensor(reload_logits(str(destination))["logits"]), checkpoints["untied"].logits, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_rerun_of_a_committed_export_does_nothing(checkpoints, tmp_path):
+    destination = str(tmp_path / "out")
+    assert run_cli("--src", checkpoints["tied"].path, "--dst", destination, "--verify", "none").returncode == 0
+    again = run_cli("--src", checkpoints["tied"].path, "--dst", destination, "--verify", "none")
+    assert again.returncode == 0 and "already holds a committed export" in again.stdout
+    other = run_cli("--src", checkpoints["untied"].path, "--dst", destination, "--verify", "none")
+    assert other.returncode == 1 and "--force" in other.stderr
