@@ -125,11 +125,11 @@ class Store:
         """Write one object that appears only if the block finishes without an exception."""
         path = self.path(name)
         if self.is_local:
-            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        handle = self._call("open for writing", name, self.fs.open, path, "wb", autocommit=False)
+            self._call("create folder for", name, self.fs.makedirs, posixpath.dirname(path), exist_ok=True)
+        handle = self._call("write", name, self.fs.open, path, "wb", autocommit=False)
         try:
-            yield handle
-            handle.close()
+            yield _CheckedWrites(self, name, handle)
+            self._call("write", name, handle.close)
             self._call("commit", name, handle.commit)
         except BaseException:
             _discard(handle)
@@ -145,14 +145,29 @@ class Store:
     def _call(self, operation: str, name: str, function, *args, **kwargs):
         try:
             return function(*args, **kwargs)
-        except FileNotFoundError:
-            raise ExportError(f"not found: '{self.display(name)}'") from None
+        except FileNotFoundError as error:
+            if operation in _READS:
+                raise ExportError(f"not found: '{self.display(name)}'") from None
+            raise ExportError(f"storage {operation} failed for '{self.display(name)}': {error}") from None
         except ExportError:
             raise
         except Exception as error:  # noqa: BLE001 - storage clients raise many types
             raise ExportError(
                 f"storage {operation} failed for '{self.display(name)}': {type(error).__name__}: {error}"
             ) from None
+
+
+_READS = frozenset({"check", "stat", "read", "open", "download"})
+
+
+class _CheckedWrites:
+    """A write handle whose failures name the object being written."""
+
+    def __init__(self, store: Store, name: str, handle: IO[bytes]) -> None:
+        self.store, self.name, self.handle = store, name, handle
+
+    def write(self, data) -> int:
+        return self.store._call("write", self.name, self.handle.write, data)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -3,6 +3,7 @@ checkpoints written by real gloo ranks."""
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -22,6 +23,7 @@ def s3_endpoint():
     """moto's S3 server on 127.0.0.1; s3fs talks to it over HTTP like any S3 endpoint."""
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

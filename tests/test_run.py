@@ -1,0 +1,109 @@
+"""Bad input through the CLI: one clear line naming what is wrong, a non-zero exit, and no
+manifest at the destination."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import run_cli, s3_exists
+
+pytestmark = pytest.mark.usefixtures("ray_address")
+
+PARTIAL_WRITER = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial
+path = sys.argv[1]
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+state = torch.load(path, weights_only=True)
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+key = "model.norm.weight"
+state[key] = DTensor.from_local(state[key].to_local(), mesh, [Partial()])
+torch.save(state, path)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def broken_copy(checkpoints, tmp_path):
+    """A private copy of the tied world-size-3 checkpoint to damage."""
+    return shutil.copytree(checkpoints["tied"].path, tmp_path / "ckpt")
+
+
+def assert_fails(completed: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert completed.returncode != 0
+    lines = [line for line in completed.stderr.splitlines() if line.startswith("rayexport:")]
+    assert len(lines) == 1, completed.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in completed.stderr
+    return lines[0]
+
+
+def test_missing_source_on_s3(s3_prefix, tmp_path):
+    destination = tmp_path / "out"
+    assert_fails(run_cli("--src", f"{s3_prefix}/nothing", "--dst", str(destination)),
+                 f"{s3_prefix}/nothing", "does not exist")
+    assert not (destination / "export_manifest.json").exists()
+
+
+def test_missing_rank_file(broken_copy, tmp_path):
+    os.remove(broken_copy / "model_world_size_3_rank_1.pt")
+    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
+                 "missing rank file", "model_world_size_3_rank_1.pt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_world_size_disagrees_with_files(broken_copy, tmp_path):
+    (broken_copy / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
+    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
+                 "world_size 4", "world size 3")
+
+
+def test_corrupt_rank_file(broken_copy, tmp_path):
+    rank_file = broken_copy / "model_world_size_3_rank_2.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:1000])
+    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
+                 "model_world_size_3_rank_2.pt", "cannot be loaded")
+    assert not (tmp_path / "out" / "export_manifest.json").exists()
+
+
+def test_partial_placement_is_refused(checkpoints, tmp_path):
+    from rayexport.demo import tiny_config, write_verl_checkpoint
+
+    source = write_verl_checkpoint(tiny_config("qwen2-tied"), str(tmp_path / "ckpt"), world_size=1).path
+    subprocess.run(
+        [sys.executable, "-c", PARTIAL_WRITER, f"{source}/model_world_size_1_rank_0.pt", str(tmp_path / "pg")],
+        check=True, capture_output=True,
+    )
+    assert_fails(run_cli("--src", source, "--dst", str(tmp_path / "out")),
+                 "model.norm.weight", "Partial")
+    assert not (tmp_path / "out" / "export_manifest.json").exists()
+
+
+def test_unwritable_destination(checkpoints, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert_fails(run_cli("--src", checkpoints["tied"].path, "--dst", str(blocker / "out")), str(blocker / "out"))
+
+
+def test_unwritable_s3_bucket(s3_checkpoints):
+    destination = "s3://no-such-bucket-rayexport/out"
+    assert_fails(run_cli("--src", s3_checkpoints["tied"], "--dst", destination), destination)
+    assert not s3_exists(f"{destination}/export_manifest.json")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    completed = run_cli("--src", str(tmp_path / "missing"), "--dst", str(tmp_path / "out"), "--debug")
+    assert completed.returncode == 1 and "Traceback" in completed.stderr
+
+
+def test_demo_requires_nothing_else_but_src_and_dst_otherwise():
+    completed = run_cli("--src", "/tmp/x")
+    assert completed.returncode == 2 and "--src and --dst are required" in completed.stderr
