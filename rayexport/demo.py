@@ -56,45 +56,91 @@ def reference_logits(model: torch.nn.Module) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class WrittenCheckpoint:
+    """A written checkpoint, with what a faithful export must reproduce: the original model's
+    logits on `PROMPT_IDS` and its state dict (LoRA merged by peft itself)."""
+
     path: str
     world_size: int
     logits: torch.Tensor
+    reference_state: dict[str, torch.Tensor]
+    adapter_state: dict[str, torch.Tensor] | None = None
+    base_model: str | None = None
 
 
 def write_verl_checkpoint(
-    config, out_dir: str, world_size: int = 2, mesh_shape: tuple[int, ...] | None = None, seed: int = 0
+    config,
+    out_dir: str,
+    world_size: int = 2,
+    mesh_shape: tuple[int, ...] | None = None,
+    seed: int = 0,
+    lora: dict | None = None,
+    lora_only: bool = False,
 ) -> WrittenCheckpoint:
     """Write a verl-layout FSDP2 checkpoint of a tiny model with `world_size` gloo ranks.
 
-    `mesh_shape` (ddp, fsdp) gives an HSDP mesh; by default a 1-D ("fsdp",) mesh. Returns the
-    original model's logits on `PROMPT_IDS`.
+    `mesh_shape` (ddp, fsdp) gives an HSDP mesh; by default a 1-D ("fsdp",) mesh. `lora`
+    (peft `LoraConfig` arguments) wraps the model in a PeftModel with non-zero adapters, as a
+    verl LoRA run saves it; with `lora_only` the rank files hold only the adapters and the base
+    model is saved as a Hugging Face folder beside the checkpoint.
     """
     import torch.multiprocessing as multiprocessing
 
     os.makedirs(out_dir, exist_ok=True)
     model = build_model(config, seed)
+    base_model_dir = None
+    if lora_only:
+        base_model_dir = out_dir.rstrip("/") + "-base"
+        model.save_pretrained(base_model_dir)
+        write_hf_folder(config, base_model_dir, config_too=False)
+    adapter_state = None
+    if lora:
+        model = _with_random_lora(model, lora, seed)
+        from peft.utils import get_peft_model_state_dict
+
+        adapter_state = {name: tensor.clone() for name, tensor in get_peft_model_state_dict(model).items()}
     logits = reference_logits(model)
     with tempfile.TemporaryDirectory(prefix="rayexport-demo-") as scratch:
         full_state = os.path.join(scratch, "full.pt")
         torch.save(model.state_dict(), full_state)
         multiprocessing.spawn(
             _write_rank,
-            args=(world_size, mesh_shape or (world_size,), config.to_dict(), full_state, out_dir,
-                  os.path.join(scratch, "rendezvous")),
+            args=(world_size, mesh_shape or (world_size,), config.to_dict(), lora, lora_only, full_state,
+                  out_dir, os.path.join(scratch, "rendezvous")),
             nprocs=world_size,
         )
+    if lora:
+        model = model.merge_and_unload()
+        with open(os.path.join(out_dir, "lora_train_meta.json"), "w") as handle:
+            json.dump({"r": lora["r"], "lora_alpha": lora["lora_alpha"], "task_type": "CAUSAL_LM"}, handle)
     with open(os.path.join(out_dir, "fsdp_config.json"), "w") as handle:
         json.dump({"FSDP_version": 2, "world_size": world_size}, handle)
-    write_hf_folder(config, os.path.join(out_dir, "huggingface"))
-    return WrittenCheckpoint(out_dir, world_size, logits)
+    if not lora_only:
+        write_hf_folder(config, os.path.join(out_dir, "huggingface"))
+    reference_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    return WrittenCheckpoint(out_dir, world_size, logits, reference_state, adapter_state, base_model_dir)
 
 
-def write_hf_folder(config, hf_dir: str) -> None:
+def _with_random_lora(model: torch.nn.Module, lora: dict, seed: int) -> torch.nn.Module:
+    """Wrap in a PeftModel whose A and B are random: peft initialises B to zero, which would
+    make any merge look right."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return peft_model.eval()
+
+
+def write_hf_folder(config, hf_dir: str, config_too: bool = True) -> None:
     """config.json, generation_config.json and a small word-level tokenizer, as verl saves them."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-    config.save_pretrained(hf_dir)
+    if config_too:
+        config.save_pretrained(hf_dir)
     GenerationConfig(bos_token_id=1, eos_token_id=2, max_new_tokens=16).save_pretrained(hf_dir)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -104,7 +150,7 @@ def write_hf_folder(config, hf_dir: str) -> None:
     ).save_pretrained(hf_dir)
 
 
-def _write_rank(rank, world_size, mesh_shape, config_dict, full_state, out_dir, rendezvous) -> None:
+def _write_rank(rank, world_size, mesh_shape, config_dict, lora, lora_only, full_state, out_dir, rendezvous) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -114,16 +160,33 @@ def _write_rank(rank, world_size, mesh_shape, config_dict, full_state, out_dir, 
     try:
         config = AutoConfig.for_model(**config_dict)
         model = AutoModelForCausalLM.from_config(config)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
         model.load_state_dict(torch.load(full_state, weights_only=True))
         names = ("ddp", "fsdp") if len(mesh_shape) == 2 else ("fsdp",)
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
+        for block in _transformer_blocks(model):
+            fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        torch.save(model.state_dict(), os.path.join(out_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
+        state = model.state_dict()
+        if lora_only:
+            state = {name: tensor for name, tensor in state.items() if ".lora_" in name}
+        torch.save(state, os.path.join(out_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP wraps one by one (`layers`, `block` or `h` module lists)."""
+    return [
+        block
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "block", "h")
+        for block in module
+    ]
 
 
 def run_demo(destination: str | None = None, workers: int = 2, **options) -> "ExportReport":  # noqa: F821

@@ -15,18 +15,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
 from rayexport.errors import ExportError
+from rayexport.dtypes import dtype_of
 from rayexport.layouts.verl import HF_DIR, VerlCheckpoint, find_verl_checkpoint
+from rayexport.lora import ADAPTER_DIR, adapter_config
 from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
 from rayexport.model import (
     build_meta_model, config_dtype, exported_config, expected_tensors, fetch_hf_folder, load_config,
 )
 from rayexport.options import ExportOptions
 from rayexport.plan import (
-    assign_ranks, needed_ranks, plan_buckets, plan_shard_files, plan_tensors,
+    BASE_MODEL_RANK, LoraRequest, ShardFile, TensorPlanning, assign_ranks, needed_ranks, plan_buckets,
+    plan_shard_files, plan_tensors, safetensors_order,
 )
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.ties import check_tied_values, find_tie_aliases
-from rayexport.verification import ExpectedExport, verify_export
+from rayexport.verification import ADAPTER_WEIGHTS, ExpectedExport, verify_export
 from rayexport.workers import ExportWorker
 
 log = logging.getLogger(__name__)
@@ -96,6 +99,7 @@ def run_export(options: ExportOptions) -> ExportReport:
     storage_options = storage_options_from_env(options.storage_options)
     source = Store(options.src, storage_options)
     destination = Store(options.dst, storage_options)
+    base_model = Store(options.base_model, storage_options) if options.base_model else None
     with _stage(seconds, "plan"):
         checkpoint = find_verl_checkpoint(source)
         _check_destination(source, destination)
@@ -109,7 +113,8 @@ def run_export(options: ExportOptions) -> ExportReport:
                     f"{existing.get('source')} with other options; pass --force to replace it"
                 )
             destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
-        model = _describe_model(source.child(HF_DIR), options)
+        hf_source = _hf_folder(source, checkpoint, base_model)
+        model = _describe_model(hf_source, options)
         destination.write_bytes(".rayexport-write-probe", b"")
         destination.delete(".rayexport-write-probe")
 
@@ -125,38 +130,45 @@ def run_export(options: ExportOptions) -> ExportReport:
         with _stage(seconds, "load"):
             rank_infos = group.load(source, checkpoint, {0: [0]})
             ranks = needed_ranks(rank_infos[0], checkpoint.world_size)
-            worker_of_rank = assign_ranks(ranks, num_workers)
+            worker_of_rank = {**assign_ranks(ranks, num_workers), BASE_MODEL_RANK: 0}
             rest: dict[int, list[int]] = {}
             for rank in ranks[1:]:
                 rest.setdefault(worker_of_rank[rank], []).append(rank)
             rank_infos.update(group.load(source, checkpoint, rest))
-        plans, resolution, source_key_of = plan_tensors(
-            rank_infos, model["expected"], model["aliases"], options.dtype, model["config_dtype"]
-        )
-        pairs = [(source_key_of[a], source_key_of[b]) for a, b in resolution.to_compare]
-        differences = group.tied_differences(pairs)
-        check_tied_values({pair: differences[keys] for pair, keys in zip(resolution.to_compare, pairs)})
-        shard_files = plan_shard_files(plans, options.max_shard_size)
-        by_name = {plan.name: plan for plan in plans}
-        in_order = [by_name[name] for shard in shard_files for name in shard.tensors]
+            base_infos = group.load_base_model(base_model) if base_model else None
+        lora = LoraRequest(options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora})
+        aliases = model["aliases"]
+        planning = plan_tensors(rank_infos, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
+        differences = group.tied_differences(planning.tied_key_pairs)
+        tied_values = {pair: differences[keys] for pair, keys in zip(planning.resolution.to_compare, planning.tied_key_pairs)}
+        untied = {alias for (_, alias), difference in tied_values.items() if difference != 0.0}
+        if untied and options.untie:
+            log.warning("untying %s: their saved values differ from the tensors they were tied to", sorted(untied))
+            aliases = {alias: canonical for alias, canonical in aliases.items() if alias not in untied}
+            planning = plan_tensors(rank_infos, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
+        else:
+            check_tied_values(tied_values)
+        shard_files = plan_shard_files(planning.tensors, options.max_shard_size)
+        adapter_files = [ShardFile(ADAPTER_WEIGHTS, tuple(plan.name for plan in safetensors_order(planning.adapters)))] if planning.adapters else []
+        by_name = {plan.name: plan for plan in planning.tensors + planning.adapters}
+        in_order = [by_name[name] for shard in shard_files + adapter_files for name in shard.tensors]
         buckets = plan_buckets(in_order, worker_of_rank, num_workers, options.bucket_size)
-        written_dtypes = sorted({plan.dtype for plan in plans if plan.dtype.startswith(("float", "bfloat"))})
-        config_json = json.dumps(
-            exported_config(model["raw_config"], written_dtypes[0] if len(written_dtypes) == 1 else None),
-            indent=2, sort_keys=True,
-        ).encode() + b"\n"
+        generated = _generated_files(model["raw_config"], planning, bool(untied and options.untie), options)
         with _stage(seconds, "transfer"):
             result, worker_stats = group.transfer(
-                buckets, by_name, shard_files, source.child(HF_DIR), destination, model["hf_files"], config_json
+                buckets, by_name, [shard_files, adapter_files], hf_source, destination, model["hf_files"], generated
             )
     finally:
         group.shutdown()
 
     tensors = {
         plan.name: {"dtype": plan.dtype, "shape": list(plan.shape), "sha256": result["tensor_digests"][plan.name]}
-        for plan in plans
+        for plan in by_name.values()
     }
-    expected = ExpectedExport(files=result["files"], tensors=tensors, tied=_tied_pairs(model["aliases"], by_name))
+    expected = ExpectedExport(
+        files=result["files"], tensors=tensors, tied=_tied_pairs(aliases, by_name),
+        adapter=bool(planning.adapters),
+    )
     with _stage(seconds, "verify"):
         verification = _verify(destination, expected, options)
     manifest = build_manifest(
@@ -178,7 +190,7 @@ def run_export(options: ExportOptions) -> ExportReport:
         world_size=checkpoint.world_size,
         workers=num_workers,
         backend=backend,
-        tensor_count=len(plans),
+        tensor_count=len(tensors),
         seconds=seconds,
         bytes={
             "read": sum(stats["bytes_read"] for stats in worker_stats),
@@ -189,6 +201,42 @@ def run_export(options: ExportOptions) -> ExportReport:
         files=result["files"],
         verification=verification,
     )
+
+
+def _hf_folder(source: Store, checkpoint: VerlCheckpoint, base_model: Store | None) -> Store:
+    """Where config, tokenizer and code come from: the checkpoint's `huggingface/`, else the
+    base model folder."""
+    if checkpoint.has_hf_config:
+        return source.child(HF_DIR)
+    if base_model is not None:
+        if not base_model.exists("config.json"):
+            raise ExportError(f"missing '{base_model.display('config.json')}'")
+        return base_model
+    raise ExportError(f"missing '{source.display(HF_DIR + '/config.json')}' (or pass --base-model)")
+
+
+def _generated_files(raw_config: dict, planning: TensorPlanning, untie: bool, options: ExportOptions) -> dict[str, bytes]:
+    """Files the export writes from what it learnt: config.json (and adapter_config.json)."""
+    floating = sorted({plan.dtype for plan in planning.tensors if dtype_of(plan.dtype).is_floating_point})
+    config = exported_config(raw_config, floating[0] if len(floating) == 1 else None)
+    if untie:
+        config["tie_word_embeddings"] = False
+    files = {"config.json": _json_bytes(config)}
+    if planning.adapters:
+        files[f"{ADAPTER_DIR}/adapter_config.json"] = _json_bytes(
+            adapter_config(planning.lora, planning.lora_targets, options.base_model)
+        )
+    return files
+
+
+def _json_bytes(value: dict) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True, default=_jsonable) + "\n").encode()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
 
 
 def choose_backend(requested: str, gpus_in_cluster: float, num_workers: int) -> str:
@@ -351,6 +399,10 @@ class WorkerGroup:
             infos.update(part)
         return infos
 
+    def load_base_model(self, base_model: Store) -> dict:
+        """The exporter opens the base model's safetensors; returns their descriptions."""
+        return self._get([self.actors[0].load_base_model.remote(base_model)])[0]
+
     def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
         if not pairs:
             return {}
@@ -360,10 +412,10 @@ class WorkerGroup:
                 differences[pair] = max(differences[pair], value)
         return differences
 
-    def transfer(self, buckets, plans, shard_files, source_hf, destination, hf_files, config_json):
+    def transfer(self, buckets, plans, file_groups, source_hf, destination, hf_files, generated):
         """Run the gather: worker 0 exports, the others send; returns (export result, stats)."""
         references = [
-            self.actors[0].export.remote(buckets, plans, shard_files, source_hf, destination, hf_files, config_json)
+            self.actors[0].export.remote(buckets, plans, file_groups, source_hf, destination, hf_files, generated)
         ] + [actor.send.remote(buckets) for actor in self.actors[1:]]
         results = self._get(references)
         exported = results[0]

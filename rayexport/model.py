@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rayexport.dtypes import dtype_name
 from rayexport.errors import ExportError
 from rayexport.storage import Store
 
@@ -65,7 +66,7 @@ def config_dtype(config) -> str | None:
     value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if value is None:
         return None
-    return str(value).removeprefix("torch.")
+    return dtype_name(value) if not isinstance(value, str) else value.removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def build_meta_model(config, trust_remote_code: bool) -> torch.nn.Module:
 def expected_tensors(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every state-dict name of the model (tied aliases included) with its shape and dtype."""
     return {
-        name: (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        name: (tuple(tensor.shape), dtype_name(tensor.dtype))
         for name, tensor in model.state_dict(keep_vars=True).items()
     }
 

@@ -12,6 +12,7 @@ from rayexport.errors import ExportError
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 VERIFY_LEVELS = ("full", "none")
+LORA_MODES = ("merge", "adapter", "both")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -44,10 +45,16 @@ class ExportOptions:
     timeout_s: float = 1800.0
     num_cpus_per_worker: float = 1.0
     log_level: str = "INFO"
+    lora: str = "merge"
+    base_model: str | None = None
+    lora_alpha: float | None = None
+    lora_rslora: bool | None = None
+    untie: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for name, allowed in (("backend", BACKENDS), ("dtype", DTYPES), ("verify", VERIFY_LEVELS)):
+        checked = (("backend", BACKENDS), ("dtype", DTYPES), ("verify", VERIFY_LEVELS), ("lora", LORA_MODES))
+        for name, allowed in checked:
             if getattr(self, name) not in allowed:
                 raise ExportError(f"--{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
         self.bucket_size = parse_size(self.bucket_size)
@@ -62,5 +69,8 @@ class ExportOptions:
         return {
             name: value
             for name, value in dataclasses.asdict(self).items()
-            if name in ("dtype", "max_shard_size", "trust_remote_code", "verify")
+            if name in (
+                "dtype", "max_shard_size", "trust_remote_code", "verify", "lora", "base_model",
+                "lora_alpha", "lora_rslora", "untie",
+            )
         }

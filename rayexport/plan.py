@@ -6,47 +6,25 @@ Pure functions over metadata; no I/O, no Ray, no process groups.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
+from rayexport.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_ORDER, dtype_of, nbytes
 from rayexport.errors import ExportError
 from rayexport.layouts.verl import ShardInfo
+from rayexport.lora import (
+    LoraSettings, LoraTarget, adapter_tensor_name, is_peft_checkpoint, lora_settings, split_peft_names,
+)
 from rayexport.names import normalize_key
 from rayexport.ties import TieResolution, resolve_tied_names
 
 # Packed buffers keep every piece at an offset that any dtype can be viewed at.
 PACK_ALIGNMENT = 16
 SAFETENSORS_NAME_PATTERN = "model{suffix}.safetensors"
-# torch dtype -> safetensors dtype code, listed in the safetensors library's own dtype order,
-# which decides the layout of tensors in a file.
-SAFETENSORS_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fn": "F8_E4M3",
-    "int16": "I16",
-    "uint16": "U16",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int32": "I32",
-    "uint32": "U32",
-    "float32": "F32",
-    "float64": "F64",
-    "int64": "I64",
-    "uint64": "U64",
-}
-_SAFETENSORS_DTYPE_RANK = {name: rank for rank, name in enumerate(SAFETENSORS_DTYPES)}
-
-
-def dtype_of(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def itemsize(dtype_name: str) -> int:
-    return dtype_of(dtype_name).itemsize
+# The pseudo-rank of tensors the exporter reads from a base model folder (LoRA-only checkpoints).
+BASE_MODEL_RANK = -1
 
 
 @dataclass(frozen=True)
@@ -61,12 +39,13 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
+        return nbytes(self.shape, self.dtype)
 
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One output tensor: its name, shape, dtypes and the pieces it is assembled from."""
+    """One output tensor: its name, shape, dtypes, the pieces it is assembled from and, for a
+    LoRA-adapted weight in merge mode, the adapter folded into it."""
 
     name: str
     source_key: str
@@ -74,10 +53,27 @@ class TensorPlan:
     source_dtype: str
     dtype: str
     pieces: tuple[Piece, ...]
+    lora: "LoraMerge | None" = None
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
+        return nbytes(self.shape, self.dtype)
+
+    @property
+    def all_pieces(self) -> tuple[Piece, ...]:
+        """Every piece this output needs gathered, adapter halves included."""
+        if self.lora is None:
+            return self.pieces
+        return self.pieces + self.lora.a.pieces + self.lora.b.pieces
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """W + scale * B @ A, with A and B gathered alongside W."""
+
+    a: TensorPlan
+    b: TensorPlan
+    scale: float
 
 
 @dataclass(frozen=True)
@@ -190,87 +186,160 @@ def dtensor_pieces(
     return tuple(pieces)
 
 
+@dataclass(frozen=True)
+class LoraRequest:
+    """What to do with LoRA adapters: `mode` merge|adapter|both, settings from the checkpoint's
+    `lora_train_meta.json` (`meta`) overridden by the user (`overrides`)."""
+
+    mode: str = "merge"
+    meta: dict | None = None
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class TensorPlanning:
+    """Everything `plan_tensors` decides."""
+
+    tensors: list[TensorPlan]
+    adapters: list[TensorPlan]
+    resolution: TieResolution
+    tied_key_pairs: list[tuple[str, str]]
+    lora: LoraSettings | None = None
+    lora_targets: list[LoraTarget] = field(default_factory=list)
+
+
 def plan_tensors(
     rank_infos: dict[int, dict[str, ShardInfo]],
     expected: dict[str, tuple[tuple[int, ...], str]],
     aliases: dict[str, str],
     requested_dtype: str,
     config_dtype: str | None,
-) -> tuple[list[TensorPlan], TieResolution, dict[str, str]]:
+    lora: LoraRequest | None = None,
+    base_model: dict[str, ShardInfo] | None = None,
+) -> TensorPlanning:
     """Match the rank files' keys to the model's names and plan how each tensor is assembled.
 
     `expected` maps every state-dict name of the config's model (aliases included) to its shape
-    and dtype; `aliases` maps tied alias names to their canonical names. Returns the plans, how
-    ties were resolved, and the source key of every normalised name.
+    and dtype; `aliases` maps tied alias names to their canonical names. PEFT names are mapped
+    to the base model's, and LoRA adapters merged or planned as adapter tensors per `lora`.
+    `base_model` describes the tensors of a base model folder, used for names the rank files
+    lack (LoRA-only checkpoints); the exporter reads those itself as `BASE_MODEL_RANK`.
     """
+    lora = lora or LoraRequest()
     ranks = sorted(rank_infos)
-    reference_rank = ranks[0]
-    reference_keys = set(rank_infos[reference_rank])
-    for rank in ranks[1:]:
-        keys = set(rank_infos[rank])
-        if keys != reference_keys:
-            key = sorted(keys ^ reference_keys)[0]
-            holder = rank if key in keys else reference_rank
-            raise ExportError(
-                f"rank files disagree: only rank {holder} of ranks {reference_rank} and {rank} "
-                f"holds tensor '{key}'"
-            )
+    _check_same_keys(rank_infos)
     source_key_of: dict[str, str] = {}
-    for key in rank_infos[reference_rank]:
+    for key in rank_infos[ranks[0]]:
         name = normalize_key(key)
         if name in source_key_of:
             raise ExportError(f"keys '{source_key_of[name]}' and '{key}' both name tensor '{name}'")
         source_key_of[name] = key
+    if is_peft_checkpoint(source_key_of):
+        model_names, targets = split_peft_names(source_key_of)
+    else:
+        model_names, targets = {name: name for name in source_key_of}, []
+    checkpoint_key = {name: source_key_of[normalized] for name, normalized in model_names.items()}
 
-    resolution = resolve_tied_names(source_key_of, aliases)
+    resolution = resolve_tied_names(checkpoint_key, aliases)
     wanted = [name for name in expected if name not in aliases]
-    missing = [name for name in wanted if name not in resolution.sources]
+    from_base = [name for name in wanted if name not in resolution.sources and name in (base_model or {})]
+    missing = [name for name in wanted if name not in resolution.sources and name not in from_base]
     if missing:
         raise ExportError(
             f"the checkpoint has no tensor '{missing[0]}' that the config's model needs"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + ("" if base_model is not None else "; for a LoRA-only checkpoint pass --base-model")
         )
     unexpected = [name for name in resolution.sources if name not in expected]
     if unexpected:
         raise ExportError(
-            f"the checkpoint's tensor '{source_key_of[resolution.sources[unexpected[0]]]}' is not "
+            f"the checkpoint's tensor '{checkpoint_key[resolution.sources[unexpected[0]]]}' is not "
             f"in the config's model" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
         )
 
-    plans = []
-    for name in wanted:
-        key = source_key_of[resolution.sources[name]]
-        infos = {rank: rank_infos[rank][key] for rank in ranks}
-        expected_shape = tuple(expected[name][0])
+    def plan_for(name: str, key: str, shape: tuple[int, ...], infos: dict[int, ShardInfo]) -> TensorPlan:
         dtypes = {info.dtype for info in infos.values()}
         if len(dtypes) != 1:
             raise ExportError(f"tensor '{key}' has different dtypes across ranks: {sorted(dtypes)}")
         source_dtype = dtypes.pop()
-        is_dtensor = [info.global_shape is not None for info in infos.values()]
-        if all(is_dtensor):
-            pieces = dtensor_pieces(key, infos, expected_shape)
-        elif not any(is_dtensor):
-            pieces = plain_pieces(key, infos, expected_shape)
-        else:
-            raise ExportError(f"tensor '{key}' is a DTensor in some rank files and plain in others")
-        plans.append(
-            TensorPlan(
-                name=name,
-                source_key=key,
-                shape=expected_shape,
-                source_dtype=source_dtype,
-                dtype=output_dtype(source_dtype, requested_dtype, config_dtype),
-                pieces=pieces,
-            )
+        return TensorPlan(
+            name=name, source_key=key, shape=shape, source_dtype=source_dtype,
+            dtype=output_dtype(source_dtype, requested_dtype, config_dtype),
+            pieces=tensor_pieces(key, infos, shape),
         )
-    return plans, resolution, source_key_of
+
+    plans = {}
+    for name in wanted:
+        shape = tuple(expected[name][0])
+        if name in from_base:
+            plans[name] = plan_for(name, name, shape, {BASE_MODEL_RANK: base_model[name]})
+        else:
+            key = checkpoint_key[resolution.sources[name]]
+            plans[name] = plan_for(name, key, shape, {rank: rank_infos[rank][key] for rank in ranks})
+
+    settings, adapters = None, []
+    if targets:
+        first_a = {rank: rank_infos[rank][source_key_of[targets[0].a_name]] for rank in ranks}
+        settings = lora_settings(lora.meta, _rows(first_a), lora.overrides)
+        for target in targets:
+            weight = f"{target.module}.weight"
+            if weight not in plans:
+                raise ExportError(f"LoRA module '{target.module}' has no base weight '{weight}'")
+            out_features, in_features = plans[weight].shape
+            halves = []
+            for which, normalized, shape in (("A", target.a_name, (settings.r, in_features)),
+                                             ("B", target.b_name, (out_features, settings.r))):
+                key = source_key_of[normalized]
+                halves.append(plan_for(adapter_tensor_name(target, which), key, shape,
+                                       {rank: rank_infos[rank][key] for rank in ranks}))
+            if lora.mode in ("merge", "both"):
+                plans[weight] = replace(plans[weight], lora=LoraMerge(halves[0], halves[1], settings.scale))
+            if lora.mode in ("adapter", "both"):
+                adapters.extend(halves)
+    tied_key_pairs = [(checkpoint_key[canonical], checkpoint_key[alias]) for canonical, alias in resolution.to_compare]
+    return TensorPlanning(
+        tensors=[plans[name] for name in wanted], adapters=adapters, resolution=resolution,
+        tied_key_pairs=tied_key_pairs, lora=settings, lora_targets=targets,
+    )
+
+
+def tensor_pieces(key: str, infos: dict[int, ShardInfo], shape: tuple[int, ...]) -> tuple[Piece, ...]:
+    """The pieces one source tensor is assembled from, whatever kind of tensor the ranks hold."""
+    is_dtensor = [info.global_shape is not None for info in infos.values()]
+    if all(is_dtensor):
+        return dtensor_pieces(key, infos, shape)
+    if not any(is_dtensor):
+        return plain_pieces(key, infos, shape)
+    raise ExportError(f"tensor '{key}' is a DTensor in some rank files and plain in others")
+
+
+def _check_same_keys(rank_infos: dict[int, dict[str, ShardInfo]]) -> None:
+    ranks = sorted(rank_infos)
+    reference_keys = set(rank_infos[ranks[0]])
+    for rank in ranks[1:]:
+        keys = set(rank_infos[rank])
+        if keys != reference_keys:
+            key = sorted(keys ^ reference_keys)[0]
+            holder = rank if key in keys else ranks[0]
+            raise ExportError(
+                f"rank files disagree: only rank {holder} of ranks {ranks[0]} and {rank} holds tensor '{key}'"
+            )
+
+
+def _rows(infos: dict[int, ShardInfo]) -> int:
+    """The first dimension of a tensor spread over ranks (a LoRA A's rank r)."""
+    first = next(iter(infos.values()))
+    if first.global_shape is not None:
+        return first.global_shape[0]
+    shapes = {info.local_shape for info in infos.values()}
+    return first.local_shape[0] if len(shapes) == 1 else sum(info.local_shape[0] for info in infos.values())
 
 
 def safetensors_order(tensors: list[TensorPlan]) -> list[TensorPlan]:
     """The order `safetensors.torch.save` lays tensors out in a file: by the library's dtype
     order, last first, then by name; matching it makes a streamed shard byte-identical to a
     library save."""
-    return sorted(tensors, key=lambda plan: (-_SAFETENSORS_DTYPE_RANK[plan.dtype], plan.name))
+    return sorted(tensors, key=lambda plan: (-SAFETENSORS_ORDER[plan.dtype], plan.name))
 
 
 def plan_shard_files(tensors: list[TensorPlan], max_shard_size: int | str) -> list[ShardFile]:
@@ -310,7 +379,7 @@ def plan_buckets(
     groups: list[list[TensorPlan]] = []
     size = 0
     for plan in tensors_in_order:
-        nbytes = sum(piece.nbytes for piece in plan.pieces)
+        nbytes = sum(piece.nbytes for piece in plan.all_pieces)
         if not groups or (size + nbytes > bucket_size and groups[-1]):
             groups.append([])
             size = 0
@@ -320,7 +389,7 @@ def plan_buckets(
     for group in groups:
         sends: list[list[Piece]] = [[] for _ in range(num_workers)]
         for plan in group:
-            for piece in plan.pieces:
+            for piece in plan.all_pieces:
                 sends[worker_of_rank[piece.rank]].append(piece)
         buckets.append(
             Bucket(tensors=tuple(plan.name for plan in group), sends=tuple(map(tuple, sends)))

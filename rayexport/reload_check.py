@@ -16,8 +16,9 @@ import torch
 PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def reload_and_probe(path: str, trust_remote_code: bool, tied: list[tuple[str, str]]) -> dict:
-    """Load the export, report missing/unexpected keys, tie sharing and a forward pass."""
+def reload_and_probe(path: str, trust_remote_code: bool, tied: list[tuple[str, str]], adapter: str | None) -> dict:
+    """Load the export, report missing/unexpected keys, tie sharing, a forward pass, and which
+    adapter tensors peft failed to load."""
     from transformers import AutoConfig
 
     from rayexport.model import model_class
@@ -46,7 +47,23 @@ def reload_and_probe(path: str, trust_remote_code: bool, tied: list[tuple[str, s
         output = model(input_ids=input_ids)
     logits = getattr(output, "logits", None)
     result["logits_finite"] = bool(torch.isfinite(logits).all()) if logits is not None else None
+    if adapter:
+        result["adapter_missing"] = _adapter_missing(model, adapter)
     return result
+
+
+def _adapter_missing(model: torch.nn.Module, adapter: str) -> list[str]:
+    """Adapter tensors in the adapter file that the PeftModel does not hold with equal values."""
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(model, adapter))
+    saved = load_file(f"{adapter}/adapter_model.safetensors")
+    return sorted(
+        name for name, tensor in saved.items()
+        if name not in loaded or not torch.equal(loaded[name].to(tensor.dtype), tensor)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--tied", action="append", default=[], metavar="CANONICAL=ALIAS")
+    parser.add_argument("--adapter", help="a LoRA adapter folder to load onto the model with peft")
     args = parser.parse_args(argv)
     tied = [tuple(item.split("=", 1)) for item in args.tied]
-    json.dump(reload_and_probe(args.path, args.trust_remote_code, tied), sys.stdout)
+    json.dump(reload_and_probe(args.path, args.trust_remote_code, tied, args.adapter), sys.stdout)
     return 0
 
 

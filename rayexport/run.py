@@ -9,7 +9,7 @@ import sys
 import traceback
 
 from rayexport.errors import ExportError
-from rayexport.options import BACKENDS, DTYPES, VERIFY_LEVELS, ExportOptions
+from rayexport.options import BACKENDS, DTYPES, LORA_MODES, VERIFY_LEVELS, ExportOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
     parser.add_argument("--verify", choices=VERIFY_LEVELS, default="full", help="checks before commit")
     parser.add_argument("--force", action="store_true", help="replace a committed export at DST")
+    parser.add_argument("--lora", choices=LORA_MODES, default="merge",
+                        help="LoRA checkpoints: merge into the base, write the adapter, or both")
+    parser.add_argument("--base-model", metavar="URI", help="HF model folder with the base weights of a LoRA-only checkpoint")
+    parser.add_argument("--lora-alpha", type=float, help="LoRA alpha when lora_train_meta.json lacks it")
+    parser.add_argument("--lora-rslora", action="store_true", default=None, help="the adapter was trained with rsLoRA")
+    parser.add_argument("--untie", action="store_true",
+                        help="tied tensors whose saved values differ: keep both and untie the config")
     parser.add_argument("--timeout", type=float, default=1800.0, dest="timeout_s",
                         help="deadline in seconds for each distributed step and the verification")
     parser.add_argument("--num-cpus-per-worker", type=float, default=1.0)
@@ -48,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     option_names = (
         "workers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
         "trust_remote_code", "verify", "force", "timeout_s", "num_cpus_per_worker", "log_level",
+        "lora", "base_model", "lora_alpha", "lora_rslora", "untie",
     )
     options = {name: getattr(args, name) for name in option_names}
     try:

@@ -14,7 +14,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from rayexport.plan import Bucket, Piece, TensorPlan, dtype_of, packed_offsets
+from rayexport.lora import merge_lora
+from rayexport.dtypes import dtype_of
+from rayexport.plan import Bucket, Piece, TensorPlan, packed_offsets
 
 
 def open_rendezvous(host: str, timeout_s: float) -> dist.TCPStore:
@@ -95,6 +97,15 @@ def assemble(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> torch.Tenso
     return full
 
 
+def assemble_output(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> torch.Tensor:
+    """An output tensor: assembled, with its LoRA adapter merged when the plan says so."""
+    tensor = assemble(plan, pieces)
+    if plan.lora is None:
+        return tensor
+    a, b = assemble(plan.lora.a, pieces), assemble(plan.lora.b, pieces)
+    return merge_lora(tensor, a, b, plan.lora.scale)
+
+
 def gather_tensors(
     buckets: list[Bucket],
     plans: dict[str, TensorPlan],
@@ -108,7 +119,7 @@ def gather_tensors(
         for piece in bucket.sends[0]:
             pieces[piece] = local_piece(piece)
         for name in bucket.tensors:
-            yield name, assemble(plans[name], pieces)
+            yield name, assemble_output(plans[name], pieces)
         del pieces
 
 

@@ -16,12 +16,15 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayexport.dtypes import TORCH_NAME_OF_CODE, nbytes
 from rayexport.errors import ExportError
+from rayexport.lora import ADAPTER_DIR
 from rayexport.storage import Store
 from rayexport.writer import INDEX_NAME
 
 SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 SINGLE_FILE = "model.safetensors"
+ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
 # Variables that carry storage credentials; never passed to the process that imports remote code.
 SECRET_ENV = re.compile(r"^(AWS_|GOOGLE_|AZURE_|GCS_|S3_|HF_TOKEN|HUGGING_FACE_HUB_TOKEN)")
 
@@ -37,6 +40,7 @@ class ExpectedExport:
     files: dict[str, dict[str, Any]]
     tensors: dict[str, dict[str, Any]]
     tied: list[tuple[str, str]] = field(default_factory=list)
+    adapter: bool = False
 
 
 def shard_names(local_dir: str) -> list[str]:
@@ -77,7 +81,7 @@ def check_structure(local_dir: str) -> dict[str, Any]:
                         raise VerificationError(f"structure: tensor '{key}' is in both {seen[key]} and {name}")
                     seen[key] = name
                     sliced = handle.get_slice(key)
-                    total += _nbytes(sliced.get_shape(), sliced.get_dtype())
+                    total += nbytes(sliced.get_shape(), TORCH_NAME_OF_CODE[sliced.get_dtype()])
         except VerificationError:
             raise
         except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
@@ -123,7 +127,7 @@ def check_tensors(local_dir: str, expected: ExpectedExport) -> dict[str, Any]:
     from rayexport.writer import tensor_bytes
 
     found = set()
-    for name in shard_names(local_dir):
+    for name in shard_names(local_dir) + ([ADAPTER_WEIGHTS] if expected.adapter else []):
         with safe_open(os.path.join(local_dir, name), framework="pt") as handle:
             for key in handle.keys():
                 record = expected.tensors.get(key)
@@ -141,9 +145,11 @@ def check_tensors(local_dir: str, expected: ExpectedExport) -> dict[str, Any]:
     return {"tensors": len(found)}
 
 
-def check_reload(local_dir: str, trust_remote_code: bool, tied: list[tuple[str, str]], timeout_s: float) -> dict[str, Any]:
+def check_reload(
+    local_dir: str, trust_remote_code: bool, tied: list[tuple[str, str]], adapter: bool, timeout_s: float
+) -> dict[str, Any]:
     """transformers loads the export in a clean process: no missing or unexpected keys, tied
-    tensors share memory, and a forward pass gives finite logits."""
+    tensors share memory, a forward pass gives finite logits, and peft loads the adapter."""
     env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
     with tempfile.TemporaryDirectory(prefix="rayexport-modules-") as modules:
         env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -151,6 +157,7 @@ def check_reload(local_dir: str, trust_remote_code: bool, tied: list[tuple[str, 
         command += ["--trust-remote-code"] if trust_remote_code else []
         for canonical, alias in tied:
             command += ["--tied", f"{canonical}={alias}"]
+        command += ["--adapter", os.path.join(local_dir, ADAPTER_DIR)] if adapter else []
         try:
             completed = subprocess.run(
                 command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=modules
@@ -168,6 +175,8 @@ def check_reload(local_dir: str, trust_remote_code: bool, tied: list[tuple[str, 
         raise VerificationError(f"reload: tied tensors do not share memory: {result['untied'][0]}")
     if result["logits_finite"] is False:
         raise VerificationError("reload: the forward pass gives non-finite logits")
+    if adapter and result["adapter_missing"]:
+        raise VerificationError(f"reload: peft did not load adapter tensor '{result['adapter_missing'][0]}'")
     return result
 
 
@@ -180,7 +189,7 @@ def verify_export(dst: Store, expected: ExpectedExport, trust_remote_code: bool,
             "structure": check_structure(local_dir),
             "files": check_files(local_dir, expected),
             "tensors": check_tensors(local_dir, expected),
-            "reload": check_reload(local_dir, trust_remote_code, expected.tied, timeout_s),
+            "reload": check_reload(local_dir, trust_remote_code, expected.tied, expected.adapter, timeout_s),
         }
     return {"passed": True, "checks": checks}
 
@@ -200,13 +209,3 @@ def _file_sha256(path: str) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _nbytes(shape: list[int], dtype_code: str) -> int:
-    from rayexport.plan import SAFETENSORS_DTYPES, itemsize
-
-    torch_name = {code: name for name, code in SAFETENSORS_DTYPES.items()}[dtype_code]
-    count = 1
-    for size in shape:
-        count *= size
-    return count * itemsize(torch_name)

@@ -18,8 +18,9 @@ import torch
 from tqdm import tqdm
 
 from rayexport import transport
+from rayexport.layouts.hf import SafetensorsTensors
 from rayexport.layouts.verl import ShardInfo, VerlCheckpoint, describe_tensor, load_rank_state, local_tensor
-from rayexport.plan import Bucket, Piece, ShardFile, TensorPlan
+from rayexport.plan import BASE_MODEL_RANK, Bucket, Piece, ShardFile, TensorPlan
 from rayexport.storage import Store
 from rayexport.writer import write_shards
 
@@ -71,12 +72,20 @@ class ExportWorker:
             infos[rank] = {key: describe_tensor(value, rank) for key, value in state.items()}
         return infos
 
+    def load_base_model(self, base_model: Store) -> dict[str, ShardInfo]:
+        """Exporter only: open a base model folder's weights as the pseudo-rank BASE_MODEL_RANK."""
+        tensors = SafetensorsTensors(base_model, self.spool_dir)
+        self.states[BASE_MODEL_RANK] = tensors
+        return tensors.describe()
+
     def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
         """Max |canonical - alias| over this worker's shards, per pair of source keys."""
         differences = {}
         for pair in pairs:
             worst = 0.0
-            for state in self.states.values():
+            for rank, state in self.states.items():
+                if rank == BASE_MODEL_RANK:
+                    continue
                 first, second = local_tensor(state[pair[0]]), local_tensor(state[pair[1]])
                 if first.shape != second.shape:
                     worst = float("inf")
@@ -101,24 +110,28 @@ class ExportWorker:
         self,
         buckets: list[Bucket],
         plans: dict[str, TensorPlan],
-        shard_files: list[ShardFile],
+        file_groups: list[list[ShardFile]],
         source_hf: Store,
         destination: Store,
         hf_files: list[str],
-        config_json: bytes,
+        generated: dict[str, bytes],
     ) -> dict[str, Any]:
-        """The exporter's transfer: receive every bucket, write the shards, index, config,
-        tokenizer and code files to DST; return what was written with sizes and digests."""
+        """The exporter's transfer: receive every bucket and write each group of safetensors
+        files (the model's shards and index, then any adapter), then the generated files
+        (config) and the source's tokenizer and code files; return every file's size and digest."""
         started = time.perf_counter()
-        files = {}
-        for name in hf_files:
-            data = config_json if name == "config.json" else source_hf.read_bytes(name)
-            destination.write_bytes(name, data)
-            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        files, digests, written = {}, {}, []
         total = sum(plan.nbytes for plan in plans.values())
         with tqdm(total=total, unit="B", unit_scale=True, desc="export", mininterval=1.0) as progress:
             tensors = transport.gather_tensors(buckets, plans, self._local, self.device)
-            written, digests = write_shards(destination, shard_files, plans, tensors, progress.update)
+            for group in file_groups:
+                group_written, group_digests = write_shards(destination, group, plans, tensors, progress.update)
+                written += group_written
+                digests.update(group_digests)
+        for name in sorted(set(hf_files) | set(generated)):
+            data = generated[name] if name in generated else source_hf.read_bytes(name)
+            destination.write_bytes(name, data)
+            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         for item in written:
             files[item.name] = {"size": item.size, "sha256": item.sha256}
         gathered = sum(transport.bucket_bytes(bucket) for bucket in buckets)

@@ -15,7 +15,8 @@ from typing import Callable, Iterator
 import torch
 
 from rayexport.errors import ExportError
-from rayexport.plan import SAFETENSORS_DTYPES, ShardFile, TensorPlan
+from rayexport.dtypes import SAFETENSORS_DTYPES
+from rayexport.plan import ShardFile, TensorPlan
 from rayexport.storage import Store
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rayexport.dtypes import dtype_name
 from rayexport.errors import ExportError
 from rayexport.storage import Store
 
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
 HF_DIR = "huggingface"
+LORA_META = "lora_train_meta.json"
 
 
 def rank_file_name(world_size: int, rank: int) -> str:
@@ -33,6 +35,8 @@ class VerlCheckpoint:
     world_size: int
     fsdp_version: int | None
     rank_files: tuple[str, ...]
+    has_hf_config: bool = True
+    lora_meta: dict | None = None
 
     @property
     def layout(self) -> str:
@@ -77,13 +81,13 @@ def find_verl_checkpoint(store: Store) -> VerlCheckpoint:
     extra = sorted(rank for rank in ranks if rank >= world_size)
     if extra:
         raise ExportError(f"unexpected rank file '{store.display(ranks[extra[0]])}'")
-    if "config.json" not in store.list(HF_DIR):
-        raise ExportError(f"missing '{store.display(HF_DIR + '/config.json')}'")
     return VerlCheckpoint(
         uri=store.uri,
         world_size=world_size,
         fsdp_version=fsdp_version,
         rank_files=tuple(ranks[rank] for rank in range(world_size)),
+        has_hf_config="config.json" in store.list(HF_DIR),
+        lora_meta=store.read_json(LORA_META) if LORA_META in names else None,
     )
 
 
@@ -136,7 +140,7 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
 def describe_tensor(value: torch.Tensor, rank: int) -> ShardInfo:
     """The placement of one rank's (D)Tensor, without needing a process group."""
     local = local_tensor(value)
-    dtype = str(local.dtype).removeprefix("torch.")
+    dtype = dtype_name(local.dtype)
     mesh = getattr(value, "device_mesh", None)
     if mesh is None:
         return ShardInfo(local_shape=tuple(local.shape), dtype=dtype)
