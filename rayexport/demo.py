@@ -75,13 +75,15 @@ def write_verl_checkpoint(
     seed: int = 0,
     lora: dict | None = None,
     lora_only: bool = False,
+    code_files: dict[str, str] | None = None,
 ) -> WrittenCheckpoint:
     """Write a verl-layout FSDP2 checkpoint of a tiny model with `world_size` gloo ranks.
 
     `mesh_shape` (ddp, fsdp) gives an HSDP mesh; by default a 1-D ("fsdp",) mesh. `lora`
     (peft `LoraConfig` arguments) wraps the model in a PeftModel with non-zero adapters, as a
     verl LoRA run saves it; with `lora_only` the rank files hold only the adapters and the base
-    model is saved as a Hugging Face folder beside the checkpoint.
+    model is saved as a Hugging Face folder beside the checkpoint. `code_files` (name -> source)
+    are a remote-code model's files, saved beside its config.json.
     """
     import torch.multiprocessing as multiprocessing
 
@@ -91,7 +93,7 @@ def write_verl_checkpoint(
     if lora_only:
         base_model_dir = out_dir.rstrip("/") + "-base"
         model.save_pretrained(base_model_dir)
-        write_hf_folder(config, base_model_dir, config_too=False)
+        write_hf_folder(config, base_model_dir, code_files)
     adapter_state = None
     if lora:
         model = _with_random_lora(model, lora, seed)
@@ -102,9 +104,11 @@ def write_verl_checkpoint(
     with tempfile.TemporaryDirectory(prefix="rayexport-demo-") as scratch:
         full_state = os.path.join(scratch, "full.pt")
         torch.save(model.state_dict(), full_state)
+        config_dir = os.path.join(scratch, "config")
+        write_hf_folder(config, config_dir, code_files)
         multiprocessing.spawn(
             _write_rank,
-            args=(world_size, mesh_shape or (world_size,), config.to_dict(), lora, lora_only, full_state,
+            args=(world_size, mesh_shape or (world_size,), config_dir, lora, lora_only, full_state,
                   out_dir, os.path.join(scratch, "rendezvous")),
             nprocs=world_size,
         )
@@ -115,7 +119,7 @@ def write_verl_checkpoint(
     with open(os.path.join(out_dir, "fsdp_config.json"), "w") as handle:
         json.dump({"FSDP_version": 2, "world_size": world_size}, handle)
     if not lora_only:
-        write_hf_folder(config, os.path.join(out_dir, "huggingface"))
+        write_hf_folder(config, os.path.join(out_dir, "huggingface"), code_files)
     reference_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     return WrittenCheckpoint(out_dir, world_size, logits, reference_state, adapter_state, base_model_dir)
 
@@ -134,13 +138,16 @@ def _with_random_lora(model: torch.nn.Module, lora: dict, seed: int) -> torch.nn
     return peft_model.eval()
 
 
-def write_hf_folder(config, hf_dir: str, config_too: bool = True) -> None:
-    """config.json, generation_config.json and a small word-level tokenizer, as verl saves them."""
+def write_hf_folder(config, hf_dir: str, code_files: dict[str, str] | None = None) -> None:
+    """config.json, generation_config.json, a small word-level tokenizer and any remote-code
+    files, as verl saves them."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-    if config_too:
-        config.save_pretrained(hf_dir)
+    config.save_pretrained(hf_dir)
+    for name, source in (code_files or {}).items():
+        with open(os.path.join(hf_dir, name), "w") as handle:
+            handle.write(source)
     GenerationConfig(bos_token_id=1, eos_token_id=2, max_new_tokens=16).save_pretrained(hf_dir)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -150,7 +157,7 @@ def write_hf_folder(config, hf_dir: str, config_too: bool = True) -> None:
     ).save_pretrained(hf_dir)
 
 
-def _write_rank(rank, world_size, mesh_shape, config_dict, lora, lora_only, full_state, out_dir, rendezvous) -> None:
+def _write_rank(rank, world_size, mesh_shape, config_dir, lora, lora_only, full_state, out_dir, rendezvous) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -158,8 +165,8 @@ def _write_rank(rank, world_size, mesh_shape, config_dict, lora, lora_only, full
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
-        config = AutoConfig.for_model(**config_dict)
-        model = AutoModelForCausalLM.from_config(config)
+        config = AutoConfig.from_pretrained(config_dir, trust_remote_code=True)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
         if lora:
             from peft import LoraConfig, get_peft_model
 

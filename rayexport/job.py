@@ -20,8 +20,9 @@ from rayexport.layouts.verl import HF_DIR, VerlCheckpoint, find_verl_checkpoint
 from rayexport.lora import ADAPTER_DIR, adapter_config
 from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
 from rayexport.model import (
-    build_meta_model, config_dtype, exported_config, expected_tensors, fetch_hf_folder, load_config,
+    build_meta_model, config_dtype, exported_config, expected_tensors, fetch_hf_folder, hf_file_names, load_config,
 )
+from rayexport.remote_code import auto_map_files, bundle_model_code
 from rayexport.options import ExportOptions
 from rayexport.plan import (
     BASE_MODEL_RANK, LoraRequest, ShardFile, TensorPlanning, assign_ranks, needed_ranks, plan_buckets,
@@ -114,7 +115,7 @@ def run_export(options: ExportOptions) -> ExportReport:
                 )
             destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
         hf_source = _hf_folder(source, checkpoint, base_model)
-        model = _describe_model(hf_source, options)
+        model = _describe_model(hf_source, base_model, options)
         destination.write_bytes(".rayexport-write-probe", b"")
         destination.delete(".rayexport-write-probe")
 
@@ -153,11 +154,9 @@ def run_export(options: ExportOptions) -> ExportReport:
         by_name = {plan.name: plan for plan in planning.tensors + planning.adapters}
         in_order = [by_name[name] for shard in shard_files + adapter_files for name in shard.tensors]
         buckets = plan_buckets(in_order, worker_of_rank, num_workers, options.bucket_size)
-        generated = _generated_files(model["raw_config"], planning, bool(untied and options.untie), options)
+        carried = {**model["carried"], **_generated_files(model["raw_config"], planning, bool(untied and options.untie), options)}
         with _stage(seconds, "transfer"):
-            result, worker_stats = group.transfer(
-                buckets, by_name, [shard_files, adapter_files], hf_source, destination, model["hf_files"], generated
-            )
+            result, worker_stats = group.transfer(buckets, by_name, [shard_files, adapter_files], destination, carried)
     finally:
         group.shutdown()
 
@@ -274,21 +273,52 @@ def _already_committed(options: ExportOptions, checkpoint: VerlCheckpoint, manif
     )
 
 
-def _describe_model(hf_store: Store, options: ExportOptions) -> dict[str, Any]:
-    """Config, meta model names/shapes and tie aliases, from the checkpoint's HF folder."""
+def _describe_model(hf_store: Store, base_model: Store | None, options: ExportOptions) -> dict[str, Any]:
+    """Config, meta-model names/shapes and tie aliases, and every file the export carries
+    (tokenizer, generation config, remote code), from the checkpoint's HF folder. Remote code
+    the folder lacks comes from the base model folder, else from the model's class module."""
     with tempfile.TemporaryDirectory(prefix="rayexport-hf-") as local:
-        hf_files = fetch_hf_folder(hf_store, local)
-        config = load_config(local, options.trust_remote_code)
-        with open(os.path.join(local, "config.json")) as handle:
-            raw_config = json.load(handle)
+        names = fetch_hf_folder(hf_store, local)
+        with open(os.path.join(local, "config.json"), "rb") as handle:
+            raw_config = _parse_json(handle.read(), hf_store.display("config.json"))
+        code_files = auto_map_files(raw_config)
+        if base_model is not None:
+            wanted = [name for name in code_files if name not in names]
+            available = set(hf_file_names(base_model)) if wanted else set()
+            for name in wanted:
+                if name in available:
+                    with open(os.path.join(local, name), "wb") as handle:
+                        handle.write(base_model.read_bytes(name))
+        config = load_config(local, raw_config, options.trust_remote_code)
         meta_model = build_meta_model(config, options.trust_remote_code)
+        if any(not os.path.exists(os.path.join(local, name)) for name in code_files):
+            bundle_model_code(meta_model, local)
+        for name in code_files:
+            if not os.path.exists(os.path.join(local, name)):
+                raise ExportError(f"config.json's auto_map needs {name}, which is neither in '{hf_store.uri}' nor bundled")
+        carried = {}
+        for folder, _, files in os.walk(local):
+            for file in files:
+                path = os.path.join(folder, file)
+                with open(path, "rb") as handle:
+                    carried[os.path.relpath(path, local)] = handle.read()
     return {
-        "hf_files": hf_files,
+        "carried": carried,
         "raw_config": raw_config,
         "config_dtype": config_dtype(config),
         "expected": expected_tensors(meta_model),
         "aliases": find_tie_aliases(meta_model),
     }
+
+
+def _parse_json(data: bytes, uri: str) -> dict:
+    try:
+        value = json.loads(data)
+    except ValueError as error:
+        raise ExportError(f"'{uri}' is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ExportError(f"'{uri}' is not a JSON object")
+    return value
 
 
 def _tied_pairs(aliases: dict[str, str], written: dict[str, Any]) -> list[tuple[str, str]]:
@@ -412,11 +442,9 @@ class WorkerGroup:
                 differences[pair] = max(differences[pair], value)
         return differences
 
-    def transfer(self, buckets, plans, file_groups, source_hf, destination, hf_files, generated):
+    def transfer(self, buckets, plans, file_groups, destination, carried):
         """Run the gather: worker 0 exports, the others send; returns (export result, stats)."""
-        references = [
-            self.actors[0].export.remote(buckets, plans, file_groups, source_hf, destination, hf_files, generated)
-        ] + [actor.send.remote(buckets) for actor in self.actors[1:]]
+        references = [self.actors[0].export.remote(buckets, plans, file_groups, destination, carried)] + [actor.send.remote(buckets) for actor in self.actors[1:]]
         results = self._get(references)
         exported = results[0]
         stats = [exported] + results[1:]

@@ -3,7 +3,6 @@ names, shapes and ties of its tensors, learnt on the meta device (no weights, no
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import re
@@ -41,16 +40,11 @@ def fetch_hf_folder(hf_store: Store, local_dir: str) -> list[str]:
     return names
 
 
-def load_config(local_dir: str, trust_remote_code: bool):
-    """The model's `PretrainedConfig`, with one clear line for any problem in config.json."""
+def load_config(local_dir: str, raw: dict, trust_remote_code: bool):
+    """The model's `PretrainedConfig` from a local HF folder whose config.json parsed to `raw`,
+    with one clear line for any problem."""
     from transformers import AutoConfig
 
-    path = os.path.join(local_dir, "config.json")
-    try:
-        with open(path) as handle:
-            raw = json.load(handle)
-    except ValueError as error:
-        raise ExportError(f"config.json is not valid JSON: {error}") from None
     if raw.get("auto_map") and not trust_remote_code:
         raise ExportError(
             "config.json has auto_map (remote code); pass --trust-remote-code to build it"

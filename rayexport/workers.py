@@ -111,14 +111,12 @@ class ExportWorker:
         buckets: list[Bucket],
         plans: dict[str, TensorPlan],
         file_groups: list[list[ShardFile]],
-        source_hf: Store,
         destination: Store,
-        hf_files: list[str],
-        generated: dict[str, bytes],
+        carried: dict[str, bytes],
     ) -> dict[str, Any]:
         """The exporter's transfer: receive every bucket and write each group of safetensors
-        files (the model's shards and index, then any adapter), then the generated files
-        (config) and the source's tokenizer and code files; return every file's size and digest."""
+        files (the model's shards and index, then any adapter), then the small files the
+        export carries (config, tokenizer, code); return every file's size and digest."""
         started = time.perf_counter()
         files, digests, written = {}, {}, []
         total = sum(plan.nbytes for plan in plans.values())
@@ -128,8 +126,7 @@ class ExportWorker:
                 group_written, group_digests = write_shards(destination, group, plans, tensors, progress.update)
                 written += group_written
                 digests.update(group_digests)
-        for name in sorted(set(hf_files) | set(generated)):
-            data = generated[name] if name in generated else source_hf.read_bytes(name)
+        for name, data in sorted(carried.items()):
             destination.write_bytes(name, data)
             files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         for item in written:

@@ -166,12 +166,12 @@ def test_plan_tensors_dtensor_pieces_and_tied_alias_dropped():
     world = 3
     shapes = {EMBED: (10, 4), NORM: (4,), HEAD: (10, 4), "tiny.bias": (2,)}
     ranks = fsdp2_ranks({"_orig_mod." + EMBED: (10, 4), NORM: (4,), HEAD: (10, 4), "tiny.bias": (2,)}, world)
-    plans, resolution, source_key_of = plan_tensors(ranks, expected_of(shapes), TIED, "auto", None)
+    planning = plan_tensors(ranks, expected_of(shapes), TIED, "auto", None)
 
-    by_name = {plan.name: plan for plan in plans}
+    by_name = {plan.name: plan for plan in planning.tensors}
     assert set(by_name) == {EMBED, NORM, "tiny.bias"}
-    assert resolution.dropped == [HEAD] and resolution.to_compare == [(EMBED, HEAD)]
-    assert source_key_of[EMBED] == "_orig_mod." + EMBED
+    assert planning.resolution.dropped == [HEAD] and planning.resolution.to_compare == [(EMBED, HEAD)]
+    assert planning.tied_key_pairs == [("_orig_mod." + EMBED, HEAD)]  # the keys to compare values of
     embed = by_name[EMBED]
     assert embed.source_key == "_orig_mod." + EMBED and embed.shape == (10, 4)
     assert [(p.rank, p.offset, p.shape) for p in embed.pieces] == [
@@ -182,29 +182,35 @@ def test_plan_tensors_dtensor_pieces_and_tied_alias_dropped():
     assert [(p.rank, p.offset, p.shape) for p in by_name["tiny.bias"].pieces] == [(0, (0,), (1,)), (1, (1,), (1,))]
 
 
+def test_plan_tensors_empty_dtensor_still_has_one_piece():
+    plans = plan_tensors(fsdp2_ranks({NORM: (0, 4)}, 2), expected_of({NORM: (0, 4)}), {}, "auto", None).tensors
+    assert [(p.rank, p.offset, p.shape) for p in plans[0].pieces] == [(0, (0, 0), (0, 4))]
+
+
 def test_plan_tensors_promotes_an_alias_whose_canonical_is_missing():
     ranks = fsdp2_ranks({HEAD: (10, 4), NORM: (4,)}, 2)
     expected = expected_of({EMBED: (10, 4), NORM: (4,), HEAD: (10, 4)})
-    plans, resolution, _ = plan_tensors(ranks, expected, TIED, "auto", None)
-    by_name = {plan.name: plan for plan in plans}
+    planning = plan_tensors(ranks, expected, TIED, "auto", None)
+    by_name = {plan.name: plan for plan in planning.tensors}
     assert set(by_name) == {EMBED, NORM}
     assert by_name[EMBED].source_key == HEAD
     assert all(piece.source_key == HEAD for piece in by_name[EMBED].pieces)
-    assert resolution.promoted == {HEAD: EMBED}
+    assert planning.resolution.promoted == {HEAD: EMBED}
+    assert planning.tied_key_pairs == []
 
 
 def test_plan_tensors_tied_checkpoint_with_only_the_embedding():
     """BRIEF 1.3: no KeyError for lm_head.weight, nothing reported missing."""
     ranks = fsdp2_ranks({EMBED: (10, 4), NORM: (4,)}, 2)
     expected = expected_of({EMBED: (10, 4), NORM: (4,), HEAD: (10, 4)})
-    plans, resolution, _ = plan_tensors(ranks, expected, TIED, "auto", None)
-    assert sorted(plan.name for plan in plans) == [EMBED, NORM]
-    assert resolution.dropped == [] and resolution.promoted == {}
+    planning = plan_tensors(ranks, expected, TIED, "auto", None)
+    assert sorted(plan.name for plan in planning.tensors) == [EMBED, NORM]
+    assert planning.resolution.dropped == [] and planning.resolution.promoted == {}
 
 
 def test_plan_tensors_untied_model_keeps_both():
     ranks = fsdp2_ranks({EMBED: (10, 4), HEAD: (10, 4)}, 2)
-    plans, _, _ = plan_tensors(ranks, expected_of({EMBED: (10, 4), HEAD: (10, 4)}), {}, "auto", None)
+    plans = plan_tensors(ranks, expected_of({EMBED: (10, 4), HEAD: (10, 4)}), {}, "auto", None).tensors
     assert sorted(plan.name for plan in plans) == [HEAD, EMBED]
 
 
@@ -221,7 +227,7 @@ def test_plan_tensors_plain_fsdp1_tensors():
         for rank in range(3)
     }
     expected = expected_of({EMBED: (10, 4), "model.rotary.inv_freq": (8,), "model.scale": (), "model.uneven": (6, 3)})
-    plans, _, _ = plan_tensors(ranks, expected, {}, "auto", None)
+    plans = plan_tensors(ranks, expected, {}, "auto", None).tensors
     pieces = {plan.name: [(p.rank, p.offset, p.shape) for p in plan.pieces] for plan in plans}
     assert pieces[EMBED] == [(0, (0, 0), (4, 4)), (1, (4, 0), (4, 4)), (2, (8, 0), (2, 4))]
     assert pieces["model.rotary.inv_freq"] == [(0, (0,), (8,))]
@@ -238,7 +244,7 @@ def test_plan_tensors_hsdp_reads_the_first_replica_only():
             placements=("R", "S0"), mesh_shape=(2, 2), mesh_ranks=(0, 1, 2, 3), coordinate=coordinate,
         )}
 
-    plans, _, _ = plan_tensors({rank: info(rank) for rank in range(4)}, expected_of({EMBED: (9, 4)}), {}, "auto", None)
+    plans = plan_tensors({rank: info(rank) for rank in range(4)}, expected_of({EMBED: (9, 4)}), {}, "auto", None).tensors
     assert [(p.rank, p.offset, p.shape) for p in plans[0].pieces] == [(0, (0, 0), (5, 4)), (1, (5, 0), (4, 4))]
 
 
@@ -314,7 +320,7 @@ def test_plan_tensors_output_dtypes():
     dtypes = {EMBED: "float32", "model.position_ids": "int64", "model.mask": "bool"}
     shapes = {EMBED: (10, 4), "model.position_ids": (6,), "model.mask": (6,)}
     ranks = fsdp2_ranks(shapes, 2, dtypes)
-    plans, _, _ = plan_tensors(ranks, expected_of(shapes, dtypes), {}, "auto", "bfloat16")
+    plans = plan_tensors(ranks, expected_of(shapes, dtypes), {}, "auto", "bfloat16").tensors
     assert {plan.name: (plan.source_dtype, plan.dtype) for plan in plans} == {
         EMBED: ("float32", "bfloat16"),
         "model.position_ids": ("int64", "int64"),
@@ -390,7 +396,7 @@ def test_plan_shard_files_order_in_file_matches_safetensors():
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + length])
     header.pop("__metadata__", None)
-    library_order = sorted(header, key=lambda name: header[name]["data_offsets"][0] * 1000 + header[name]["data_offsets"][1])
+    library_order = sorted(header, key=lambda name: header[name]["data_offsets"])
     assert list(shard.tensors) == library_order
 
 

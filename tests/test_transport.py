@@ -122,7 +122,7 @@ def gather_case():
 def gather_plan():
     full, infos = gather_case()
     expected = {name: (tuple(tensor.shape), "") for name, tensor in full.items()}
-    plans, _, _ = plan_tensors(infos, expected, {}, "auto", None)
+    plans = plan_tensors(infos, expected, {}, "auto", None).tensors
     buckets = plan_buckets(plans, assign_ranks(list(range(WORLD)), WORLD), WORLD, bucket_size=40)
     return full, {plan.name: plan for plan in plans}, buckets
 

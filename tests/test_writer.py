@@ -22,6 +22,7 @@ def mixed_tensors():
         "model.position_ids": torch.arange(7, dtype=torch.int64),
         "model.attention_mask": torch.tensor([True, False, True, True, False]),
         "model.scale": torch.tensor(1.5),
+        "model.empty": torch.zeros(0, 4),
         "model.layers.1.mlp.down_proj.weight": torch.randn(5, 6, generator=generator),
     }
 
