@@ -24,12 +24,11 @@ def tiny_config(kind: str = "qwen2-tied", **overrides):
         vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, dtype="float32",
     )
-    common.update(overrides)
     if kind == "qwen2-tied":
-        config = Qwen2Config(tie_word_embeddings=True, **common)
+        config = Qwen2Config(**{"tie_word_embeddings": True, **common, **overrides})
         config.architectures = ["Qwen2ForCausalLM"]
     elif kind == "llama-untied":
-        config = LlamaConfig(tie_word_embeddings=False, **common)
+        config = LlamaConfig(**{"tie_word_embeddings": False, **common, **overrides})
         config.architectures = ["LlamaForCausalLM"]
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}")
@@ -41,7 +40,7 @@ def build_model(config, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
     with torch.no_grad():  # move norms off 1.0 so a swapped or missing tensor changes logits
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):

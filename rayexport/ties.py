@@ -21,34 +21,41 @@ log = logging.getLogger(__name__)
 def find_tie_aliases(model: torch.nn.Module) -> dict[str, str]:
     """Map each alias parameter name to its canonical name, by Parameter identity.
 
-    The first name `named_parameters(remove_duplicate=False)` yields for a Parameter object is
-    canonical; later names of the same object are aliases. A model's declared tie map
-    (`_tied_weights_keys` as a target->source dict) is checked against identity, never trusted
-    blindly.
+    Names of one Parameter object form a tie group. The canonical name is the tie source the
+    model declares (transformers' `all_tied_weights_keys` / `_tied_weights_keys`, target ->
+    source) when it is in the group, else the first name `named_parameters` yields. Declared
+    ties are trusted on their own only when `tie_weights()` raised and so could not show them.
     """
+    declared = _declared_ties(model)
     try:
         model.tie_weights()
+        tied_in_memory = True
     except Exception as error:  # noqa: BLE001 - remote-code models raise anything here
-        log.warning("tie_weights() failed (%s); using the ties the model already has", error)
-    canonical_of: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    parameters: dict[str, torch.nn.Parameter] = {}
+        log.warning("tie_weights() failed (%s); using the model's declared ties", error)
+        tied_in_memory = False
+    groups: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        parameters[name] = parameter
-        first = canonical_of.setdefault(id(parameter), name)
-        if first != name:
-            aliases[name] = first
-    for target, source in _declared_ties(model).items():
-        if target in aliases or target not in parameters or source not in parameters:
-            continue
-        if parameters[target] is not parameters[source]:
-            log.info("declared tie %s -> %s is not tied in this model; keeping both", target, source)
+        groups.setdefault(id(parameter), []).append(name)
+    sources = set(declared.values())
+    aliases: dict[str, str] = {}
+    for names in groups.values():
+        canonical = next((name for name in names if name in sources), names[0])
+        aliases.update({name: canonical for name in names if name != canonical})
+    if not tied_in_memory:
+        parameters = {name for names in groups.values() for name in names}
+        for target, source in declared.items():
+            if target in parameters and source in parameters and target != source and target not in aliases:
+                aliases[target] = aliases.get(source, source)
     return aliases
 
 
 def _declared_ties(model: torch.nn.Module) -> dict[str, str]:
-    declared = getattr(model, "_tied_weights_keys", None)
-    return dict(declared) if isinstance(declared, dict) else {}
+    """The model's own target -> source tie map (transformers 5), expanded to full names."""
+    for attribute in ("all_tied_weights_keys", "_tied_weights_keys"):
+        declared = getattr(model, attribute, None)
+        if isinstance(declared, dict):
+            return {target: source for target, source in declared.items() if isinstance(source, str)}
+    return {}
 
 
 @dataclass

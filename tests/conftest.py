@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from helpers import BUCKET, upload
+from helpers import BUCKET, LORA, REMOTE_CODE, remote_code_config, upload
 
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing-key",
@@ -68,6 +68,26 @@ def checkpoints(tmp_path_factory):
         "untied": write_verl_checkpoint(tiny_config("llama-untied"), str(root / "untied"), world_size=3),
         "hsdp": write_verl_checkpoint(
             tiny_config("qwen2-tied"), str(root / "hsdp"), world_size=4, mesh_shape=(2, 2)
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
+def lora_checkpoints(tmp_path_factory):
+    """verl-style LoRA runs: a PeftModel with random adapters saved by FSDP2 ranks, in full and
+    adapter-only (with the base model as a separate HF folder); and an adapter-only run of a
+    remote-code model, whose code lives only in its base model folder."""
+    from rayexport.demo import tiny_config, write_verl_checkpoint
+
+    root = tmp_path_factory.mktemp("lora")
+    config = remote_code_config(str(root / "remote-code"))
+    return {
+        "lora": write_verl_checkpoint(tiny_config("qwen2-tied"), str(root / "lora"), world_size=3, lora=LORA),
+        "lora_only": write_verl_checkpoint(
+            tiny_config("qwen2-tied"), str(root / "lora-only"), world_size=2, lora=LORA, lora_only=True
+        ),
+        "remote": write_verl_checkpoint(
+            config, str(root / "remote"), world_size=2, lora=LORA, lora_only=True, code_files=REMOTE_CODE
         ),
     }
 

@@ -9,6 +9,47 @@ import subprocess
 import sys
 
 BUCKET = "rayexport-tests"
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+# A tiny trust_remote_code model: its own config and model classes, the modeling file importing
+# the configuration file relatively, as models on the Hub do.
+REMOTE_CODE = {
+    "configuration_tiny.py": (
+        "from transformers import Qwen2Config\n\n\n"
+        "class TinyConfig(Qwen2Config):\n"
+        "    model_type = 'tiny-remote'\n"
+    ),
+    "modeling_tiny.py": (
+        "from transformers import Qwen2ForCausalLM\n\n"
+        "from .configuration_tiny import TinyConfig\n\n\n"
+        "class TinyForCausalLM(Qwen2ForCausalLM):\n"
+        "    config_class = TinyConfig\n"
+    ),
+}
+REMOTE_AUTO_MAP = {
+    "AutoConfig": "configuration_tiny.TinyConfig",
+    "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+    "AutoModelForSequenceClassification": None,
+}
+
+
+def remote_code_config(folder: str):
+    """The remote-code model's config, loaded through transformers from a folder of its code."""
+    import os
+
+    from transformers import AutoConfig
+
+    from rayexport.demo import tiny_config
+
+    os.makedirs(folder, exist_ok=True)
+    for name, source in REMOTE_CODE.items():
+        with open(os.path.join(folder, name), "w") as handle:
+            handle.write(source)
+    config = tiny_config("qwen2-tied").to_dict()
+    config.update(model_type="tiny-remote", architectures=["TinyForCausalLM"], auto_map=REMOTE_AUTO_MAP)
+    with open(os.path.join(folder, "config.json"), "w") as handle:
+        json.dump(config, handle)
+    return AutoConfig.from_pretrained(folder, trust_remote_code=True)
 
 
 def upload(local_dir: str, uri: str) -> str:
@@ -44,20 +85,45 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def reload_logits(path: str) -> dict:
-    """Reload an export in a fresh process with transformers; return its logits on the demo
-    prompt and whether the head shares the embedding's memory."""
+def reload(path: str) -> dict:
+    """Reload an export with transformers in this process; return its logits on the demo
+    prompt (as a tensor), their dtype, and whether the head shares the embedding's memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rayexport.demo import PROMPT_IDS
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROMPT_IDS)).logits
+    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    return {"logits": logits, "dtype": str(logits.dtype), "shared": head.data_ptr() == embed.data_ptr()}
+
+
+def reload_in_fresh_process(path: str, trust_remote_code: bool = False) -> dict:
+    """`reload` in a new Python process started in an empty folder with an empty module cache,
+    as a user loading the export elsewhere would."""
+    import tempfile
+
+    import torch
+
     code = (
         "import json, sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
         "from rayexport.demo import PROMPT_IDS\n"
-        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == '1').eval()\n"
         "with torch.no_grad(): logits = model(input_ids=torch.tensor(PROMPT_IDS)).logits\n"
         "head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight\n"
         "print(json.dumps({'logits': logits.tolist(), 'dtype': str(logits.dtype),\n"
         "                  'shared': head.data_ptr() == embed.data_ptr()}))\n"
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300, check=True
-    )
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as empty:
+        environment = dict(os.environ, HF_MODULES_CACHE=empty, HF_HUB_OFFLINE="1")
+        completed = subprocess.run(
+            [sys.executable, "-c", code, path, "1" if trust_remote_code else "0"],
+            capture_output=True, text=True, timeout=300, cwd=empty, env=environment,
+        )
+    if completed.returncode != 0:
+        raise AssertionError(f"reload failed: {completed.stderr[-2000:]}")
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    return dict(result, logits=torch.tensor(result["logits"]))

@@ -59,11 +59,33 @@ def test_tie_weights_raising_still_returns_identity_ties(caplog):
     assert "remote code cannot tie" in caplog.text
 
 
-def test_tie_weights_raising_on_an_untied_model_finds_nothing():
+def test_tie_weights_raising_falls_back_to_the_declared_ties():
+    """A tied config whose tie_weights() fails leaves two Parameters in memory; transformers
+    will still tie them on reload, so the declared map decides (and values get compared)."""
     model = meta_model("qwen2-tied")
     model.lm_head.weight = torch.nn.Parameter(torch.empty(model.lm_head.weight.shape, device="meta"))
     model.tie_weights = raise_on_tie
-    assert find_tie_aliases(model) == {}
+    assert find_tie_aliases(model) == {HEAD: EMBED}
+
+
+def test_declared_source_is_canonical_whatever_the_registration_order():
+    """A model that registers its head before its embedding still keeps the embedding's name."""
+    model = meta_model("qwen2-tied")
+    model.all_tied_weights_keys = {EMBED: HEAD}
+    assert find_tie_aliases(model) == {EMBED: HEAD}
+
+
+def test_encoder_decoder_ties_form_one_group():
+    from transformers import AutoModelForSeq2SeqLM, T5Config
+
+    config = T5Config(vocab_size=64, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = AutoModelForSeq2SeqLM.from_config(config)
+    assert find_tie_aliases(model) == {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+        "lm_head.weight": "shared.weight",
+    }
 
 
 def test_plain_module_sharing_a_parameter():
