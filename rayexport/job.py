@@ -23,9 +23,9 @@ from rayexport.model import (
     build_meta_model, config_dtype, exported_config, expected_tensors, fetch_hf_folder, hf_file_names, load_config,
 )
 from rayexport.remote_code import auto_map_files, bundle_model_code
-from rayexport.options import ExportOptions
+from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
 from rayexport.plan import (
-    BASE_MODEL_RANK, LoraRequest, ShardFile, TensorPlanning, assign_ranks, needed_ranks, plan_buckets,
+    BASE_MODEL_RANK, LoraRequest, Piece, ShardFile, TensorPlanning, assign_ranks, needed_ranks, plan_buckets,
     plan_shard_files, plan_tensors, safetensors_order,
 )
 from rayexport.storage import Store, storage_options_from_env
@@ -73,8 +73,8 @@ class ExportReport:
             + f" (total {total:.1f}s)",
             f"  peak memory per actor: "
             + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in self.peak_rss_bytes.items()),
-            "  verified: " + ", ".join(self.verification.get("checks", {})) if self.verification.get("passed")
-            else "  verification skipped (--verify none)",
+            f"  verified ({self.verification.get('level')}): " + ", ".join(self.verification.get("checks", {}))
+            if self.verification.get("passed") else "  verification skipped (--verify none)",
             f"  committed: {self.manifest}",
         ]
         return "\n".join(lines)
@@ -154,6 +154,8 @@ def run_export(options: ExportOptions) -> ExportReport:
         by_name = {plan.name: plan for plan in planning.tensors + planning.adapters}
         in_order = [by_name[name] for shard in shard_files + adapter_files for name in shard.tensors]
         buckets = plan_buckets(in_order, worker_of_rank, num_workers, options.bucket_size)
+        level = verify_level(options.verify, sum(plan.nbytes for plan in by_name.values()))
+        source_pieces = group.source_pieces(planning, worker_of_rank) if level != "none" else {}
         carried = {**model["carried"], **_generated_files(model["raw_config"], planning, bool(untied and options.untie), options)}
         with _stage(seconds, "transfer"):
             result, worker_stats = group.transfer(buckets, by_name, [shard_files, adapter_files], destination, carried)
@@ -165,8 +167,8 @@ def run_export(options: ExportOptions) -> ExportReport:
         for plan in by_name.values()
     }
     expected = ExpectedExport(
-        files=result["files"], tensors=tensors, tied=_tied_pairs(aliases, by_name),
-        adapter=bool(planning.adapters),
+        files=result["files"], tensors=tensors, tied=_tied_pairs(aliases, by_name), adapter=bool(planning.adapters),
+        pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code,
     )
     with _stage(seconds, "verify"):
         verification = _verify(destination, expected, options)
@@ -175,8 +177,7 @@ def run_export(options: ExportOptions) -> ExportReport:
         layout=checkpoint.layout,
         world_size=checkpoint.world_size,
         options=options.recorded(),
-        files=result["files"],
-        tensors=tensors,
+        expected=expected.to_manifest(),
         verification=verification,
     )
     with _stage(seconds, "commit"):
@@ -236,6 +237,13 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return str(value)
+
+
+def verify_level(requested: str, total_bytes: int) -> str:
+    """`auto` is full verification for exports up to FULL_VERIFY_LIMIT bytes, quick above."""
+    if requested != "auto":
+        return requested
+    return "full" if total_bytes <= FULL_VERIFY_LIMIT else "quick"
 
 
 def choose_backend(requested: str, gpus_in_cluster: float, num_workers: int) -> str:
@@ -327,12 +335,12 @@ def _tied_pairs(aliases: dict[str, str], written: dict[str, Any]) -> list[tuple[
 
 
 def _verify(destination: Store, expected: ExpectedExport, options: ExportOptions) -> dict[str, Any]:
-    if options.verify == "none":
-        return {"passed": None, "skipped": True}
+    if expected.level == "none":
+        return {"passed": None, "level": "none"}
     import ray
 
     task = ray.remote(num_cpus=1, max_retries=0)(verify_export)
-    reference = task.remote(destination, expected, options.trust_remote_code, options.timeout_s)
+    reference = task.remote(destination, expected, options.timeout_s)
     return _get([reference], options.timeout_s, on_failure=lambda: ray.cancel(reference, force=True))[0]
 
 
@@ -441,6 +449,28 @@ class WorkerGroup:
             for pair, value in part.items():
                 differences[pair] = max(differences[pair], value)
         return differences
+
+    def source_pieces(self, planning: TensorPlanning, worker_of_rank: dict[int, int]) -> dict[str, list[dict]]:
+        """Per output tensor, where each source piece goes and its digest after the planned
+        cast, computed by the worker holding it (LoRA-merged tensors have no such pieces)."""
+        requests: dict[int, list[tuple[Piece, str, str]]] = {}
+        for plan in planning.tensors + planning.adapters:
+            if plan.lora is None:
+                for piece in plan.pieces:
+                    requests.setdefault(worker_of_rank[piece.rank], []).append((piece, plan.dtype, plan.name))
+        workers = sorted(requests)
+        answers = self._get([
+            self.actors[worker].source_digests.remote([(piece, dtype) for piece, dtype, _ in requests[worker]])
+            for worker in workers
+        ])
+        pieces: dict[str, list[dict]] = {}
+        for worker, digests in zip(workers, answers):
+            for (piece, _, name), digest in zip(requests[worker], digests):
+                pieces.setdefault(name, []).append({
+                    "rank": piece.rank, "source_key": piece.source_key,
+                    "offset": list(piece.offset), "shape": list(piece.shape), "sha256": digest,
+                })
+        return {name: sorted(records, key=lambda record: record["offset"]) for name, records in sorted(pieces.items())}
 
     def transfer(self, buckets, plans, file_groups, destination, carried):
         """Run the gather: worker 0 exports, the others send; returns (export result, stats)."""

@@ -17,12 +17,12 @@ def build_manifest(
     layout: str,
     world_size: int,
     options: dict[str, Any],
-    files: dict[str, dict[str, Any]],
-    tensors: dict[str, dict[str, Any]],
+    expected: dict[str, Any],
     verification: dict[str, Any],
 ) -> dict[str, Any]:
-    """The manifest's content: what was exported, how, every file's size and sha256, every
-    tensor's digest, and the verification result."""
+    """The manifest's content: what was exported and how; every file's size and sha256, every
+    tensor's dtype, shape and digest, the tied pairs and the source pieces' digests (what
+    `rayexport.verify` checks again); and the verification result."""
     return {
         "format": MANIFEST_FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -30,9 +30,8 @@ def build_manifest(
         "layout": layout,
         "world_size": world_size,
         "options": options,
-        "tensor_count": len(tensors),
-        "files": dict(sorted(files.items())),
-        "tensors": dict(sorted(tensors.items())),
+        "tensor_count": len(expected["tensors"]),
+        **{key: dict(sorted(value.items())) if isinstance(value, dict) else value for key, value in expected.items()},
         "verification": verification,
     }
 

@@ -11,7 +11,9 @@ from rayexport.errors import ExportError
 
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-VERIFY_LEVELS = ("full", "none")
+VERIFY_LEVELS = ("auto", "full", "quick", "none")
+# `--verify auto` loads and runs the export (full) up to this many bytes, else checks a sample (quick).
+FULL_VERIFY_LIMIT = 8 * 10**9
 LORA_MODES = ("merge", "adapter", "both")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -40,7 +42,7 @@ class ExportOptions:
     max_shard_size: int | str = "5GB"
     dtype: str = "auto"
     trust_remote_code: bool = False
-    verify: str = "full"
+    verify: str = "auto"
     force: bool = False
     timeout_s: float = 1800.0
     num_cpus_per_worker: float = 1.0

@@ -1,6 +1,6 @@
 """Reload an export with transformers, in a process of its own.
 
-Run as `python -m rayexport.reload_check DIR [--trust-remote-code] [--tied CANONICAL=ALIAS ...]`
+Run as `python -m rayexport.reload_check DIR [--trust-remote-code] [--keys-only] [--tied CANONICAL=ALIAS ...]`
 by the verification step, with storage credentials removed from its environment and an empty
 module cache, because remote code executes on import. Prints one JSON object.
 """
@@ -14,6 +14,34 @@ import sys
 import torch
 
 PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def compare_keys(path: str, trust_remote_code: bool, tied: list[tuple[str, str]]) -> dict:
+    """Without loading weights: the export's tensor names and shapes against the model built
+    from its config on the meta device (for exports too large to load in the check)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from rayexport.model import model_class
+    from rayexport.verification import shard_names
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = model_class(config).build(config, trust_remote_code)
+    aliases = {alias for _, alias in tied}
+    wanted = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if name not in aliases}
+    found = {}
+    for name in shard_names(path):
+        with safe_open(f"{path}/{name}", framework="pt") as handle:
+            found.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    return {
+        "class": type(model).__name__,
+        "missing_keys": sorted(set(wanted) - set(found)),
+        "unexpected_keys": sorted(set(found) - set(wanted)),
+        "mismatched_keys": sorted(key for key in set(wanted) & set(found) if wanted[key] != found[key]),
+        "untied": [],
+        "logits_finite": None,
+    }
 
 
 def reload_and_probe(path: str, trust_remote_code: bool, tied: list[tuple[str, str]], adapter: str | None) -> dict:
@@ -43,8 +71,11 @@ def reload_and_probe(path: str, trust_remote_code: bool, tied: list[tuple[str, s
     }
     vocab = getattr(config, "vocab_size", None) or max(PROMPT_IDS) + 1
     input_ids = torch.tensor([[token % vocab for token in PROMPT_IDS]])
+    inputs = {"input_ids": input_ids}
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = input_ids
     with torch.no_grad():
-        output = model(input_ids=input_ids)
+        output = model(**inputs)
     logits = getattr(output, "logits", None)
     result["logits_finite"] = bool(torch.isfinite(logits).all()) if logits is not None else None
     if adapter:
@@ -72,9 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--tied", action="append", default=[], metavar="CANONICAL=ALIAS")
     parser.add_argument("--adapter", help="a LoRA adapter folder to load onto the model with peft")
+    parser.add_argument("--keys-only", action="store_true", help="compare names and shapes; load nothing")
     args = parser.parse_args(argv)
     tied = [tuple(item.split("=", 1)) for item in args.tied]
-    json.dump(reload_and_probe(args.path, args.trust_remote_code, tied, args.adapter), sys.stdout)
+    if args.keys_only:
+        result = compare_keys(args.path, args.trust_remote_code, tied)
+    else:
+        result = reload_and_probe(args.path, args.trust_remote_code, tied, args.adapter)
+    json.dump(result, sys.stdout)
     return 0
 
 

@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--storage-options", type=json.loads, default={}, metavar="JSON",
                         help="fsspec/s3fs options, e.g. '{\"endpoint_url\": \"http://...\"}'")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
-    parser.add_argument("--verify", choices=VERIFY_LEVELS, default="full", help="checks before commit")
+    parser.add_argument("--verify", choices=VERIFY_LEVELS, default="auto",
+                        help="checks before commit: full (every tensor, reload and forward pass), quick "
+                             "(a sample, keys only), none; auto = full up to 8 GB, else quick")
     parser.add_argument("--force", action="store_true", help="replace a committed export at DST")
     parser.add_argument("--lora", choices=LORA_MODES, default="merge",
                         help="LoRA checkpoints: merge into the base, write the adapter, or both")

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayexport.dtypes import TORCH_NAME_OF_CODE, nbytes
+from rayexport.dtypes import SAFETENSORS_DTYPES, TORCH_NAME_OF_CODE, nbytes
 from rayexport.errors import ExportError
 from rayexport.lora import ADAPTER_DIR
 from rayexport.storage import Store
@@ -33,14 +33,47 @@ class VerificationError(ExportError):
     """An export failed a check; the message names the check and the tensor or file."""
 
 
+QUICK_SAMPLE = 16
+
+
 @dataclass
 class ExpectedExport:
-    """What the exporter recorded while writing."""
+    """What an export must hold: recorded by the exporter while writing (files, tensors) and
+    by the workers from the source shards before the gather (`pieces`: per output tensor, the
+    sha256 of each source piece after the planned cast, at its offset)."""
 
     files: dict[str, dict[str, Any]]
     tensors: dict[str, dict[str, Any]]
     tied: list[tuple[str, str]] = field(default_factory=list)
     adapter: bool = False
+    pieces: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    level: str = "full"
+    trust_remote_code: bool = False
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The parts of the manifest `from_manifest` reads back."""
+        return {
+            "files": self.files, "tensors": self.tensors, "tied": [list(pair) for pair in self.tied],
+            "adapter": self.adapter, "source_pieces": self.pieces,
+        }
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any], level: str | None = None) -> "ExpectedExport":
+        options = manifest.get("options", {})
+        return cls(
+            files=manifest["files"], tensors=manifest["tensors"],
+            tied=[tuple(pair) for pair in manifest.get("tied", [])], adapter=manifest.get("adapter", False),
+            pieces=manifest.get("source_pieces", {}), level=level or manifest.get("verification", {}).get("level", "full"),
+            trust_remote_code=options.get("trust_remote_code", False),
+        )
+
+    def sample(self) -> list[str]:
+        """The tensors whose values are checked: all of them, or with `quick` a deterministic
+        sample (by a hash of the name, so a re-run checks the same ones)."""
+        names = sorted(self.tensors)
+        if self.level != "quick":
+            return names
+        return sorted(names, key=lambda name: hashlib.sha256(name.encode()).hexdigest())[:QUICK_SAMPLE]
 
 
 def shard_names(local_dir: str) -> list[str]:
@@ -120,44 +153,80 @@ def check_files(local_dir: str, expected: ExpectedExport) -> dict[str, Any]:
     return {"files": len(expected.files)}
 
 
+def weight_files(local_dir: str, expected: ExpectedExport) -> list[str]:
+    return shard_names(local_dir) + ([ADAPTER_WEIGHTS] if expected.adapter else [])
+
+
 def check_tensors(local_dir: str, expected: ExpectedExport) -> dict[str, Any]:
-    """Every tensor read back has the recorded dtype, shape and digest, and nothing else is there."""
+    """The files hold exactly the recorded tensors, each with its dtype and shape, and every
+    sampled tensor read back has the digest the exporter recorded while writing."""
     from safetensors import safe_open
 
     from rayexport.writer import tensor_bytes
 
-    found = set()
-    for name in shard_names(local_dir) + ([ADAPTER_WEIGHTS] if expected.adapter else []):
+    sample, found = set(expected.sample()), set()
+    for name in weight_files(local_dir, expected):
         with safe_open(os.path.join(local_dir, name), framework="pt") as handle:
             for key in handle.keys():
                 record = expected.tensors.get(key)
                 if record is None:
                     raise VerificationError(f"integrity: tensor '{key}' in {name} was never written")
-                tensor = handle.get_tensor(key)
-                if list(tensor.shape) != list(record["shape"]) or str(tensor.dtype) != f"torch.{record['dtype']}":
+                sliced = handle.get_slice(key)
+                if list(sliced.get_shape()) != list(record["shape"]) or sliced.get_dtype() != SAFETENSORS_DTYPES[record["dtype"]]:
                     raise VerificationError(f"integrity: tensor '{key}' has the wrong shape or dtype")
-                if hashlib.sha256(tensor_bytes(tensor)).hexdigest() != record["sha256"]:
+                if key in sample and hashlib.sha256(tensor_bytes(handle.get_tensor(key))).hexdigest() != record["sha256"]:
                     raise VerificationError(f"integrity: tensor '{key}' does not match its recorded digest")
                 found.add(key)
     missing = sorted(set(expected.tensors) - found)
     if missing:
         raise VerificationError(f"integrity: tensor '{missing[0]}' is missing from the export")
-    return {"tensors": len(found)}
+    return {"tensors": len(found), "digests_checked": len(sample)}
 
 
-def check_reload(
-    local_dir: str, trust_remote_code: bool, tied: list[tuple[str, str]], adapter: bool, timeout_s: float
-) -> dict[str, Any]:
+def check_fidelity(local_dir: str, expected: ExpectedExport) -> dict[str, Any]:
+    """Every sampled tensor, sliced where each source piece belongs, equals that piece as the
+    workers read it from the source (after the planned cast): a swap of two same-shaped tensors,
+    a misplaced shard or a wrong cast shows here, independently of the exporter's own digests."""
+    from safetensors import safe_open
+
+    from rayexport.writer import tensor_bytes
+
+    file_of = {}
+    for name in weight_files(local_dir, expected):
+        with safe_open(os.path.join(local_dir, name), framework="pt") as handle:
+            file_of.update(dict.fromkeys(handle.keys(), name))
+    checked = 0
+    for tensor_name in expected.sample():
+        pieces = expected.pieces.get(tensor_name)
+        if not pieces:
+            continue  # LoRA-merged tensors have no single source piece to compare with
+        with safe_open(os.path.join(local_dir, file_of[tensor_name]), framework="pt") as handle:
+            sliced = handle.get_slice(tensor_name)
+            for piece in pieces:
+                region = tuple(slice(start, start + size) for start, size in zip(piece["offset"], piece["shape"]))
+                values = sliced[region] if region else handle.get_tensor(tensor_name)
+                if hashlib.sha256(tensor_bytes(values)).hexdigest() != piece["sha256"]:
+                    raise VerificationError(
+                        f"fidelity: tensor '{tensor_name}' at offset {piece['offset']} differs from "
+                        f"rank {piece['rank']}'s '{piece['source_key']}'"
+                    )
+                checked += 1
+    return {"pieces_checked": checked}
+
+
+def check_reload(local_dir: str, expected: ExpectedExport, timeout_s: float) -> dict[str, Any]:
     """transformers loads the export in a clean process: no missing or unexpected keys, tied
-    tensors share memory, a forward pass gives finite logits, and peft loads the adapter."""
+    tensors share memory, a forward pass gives finite logits, and peft loads the adapter. With
+    `quick`, only the keys and shapes are compared with the model built on the meta device."""
     env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
     with tempfile.TemporaryDirectory(prefix="rayexport-modules-") as modules:
         env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         command = [sys.executable, "-m", "rayexport.reload_check", local_dir]
-        command += ["--trust-remote-code"] if trust_remote_code else []
-        for canonical, alias in tied:
+        command += ["--trust-remote-code"] if expected.trust_remote_code else []
+        command += ["--keys-only"] if expected.level == "quick" else []
+        for canonical, alias in expected.tied:
             command += ["--tied", f"{canonical}={alias}"]
-        command += ["--adapter", os.path.join(local_dir, ADAPTER_DIR)] if adapter else []
+        command += ["--adapter", os.path.join(local_dir, ADAPTER_DIR)] if expected.adapter and expected.level != "quick" else []
         try:
             completed = subprocess.run(
                 command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=modules
@@ -175,12 +244,12 @@ def check_reload(
         raise VerificationError(f"reload: tied tensors do not share memory: {result['untied'][0]}")
     if result["logits_finite"] is False:
         raise VerificationError("reload: the forward pass gives non-finite logits")
-    if adapter and result["adapter_missing"]:
+    if result.get("adapter_missing"):
         raise VerificationError(f"reload: peft did not load adapter tensor '{result['adapter_missing'][0]}'")
     return result
 
 
-def verify_export(dst: Store, expected: ExpectedExport, trust_remote_code: bool, timeout_s: float) -> dict[str, Any]:
+def verify_export(dst: Store, expected: ExpectedExport, timeout_s: float) -> dict[str, Any]:
     """Run every check on the export at `dst`; raise VerificationError on the first failure,
     else return each check's numbers."""
     with tempfile.TemporaryDirectory(prefix="rayexport-verify-") as scratch:
@@ -189,12 +258,14 @@ def verify_export(dst: Store, expected: ExpectedExport, trust_remote_code: bool,
             "structure": check_structure(local_dir),
             "files": check_files(local_dir, expected),
             "tensors": check_tensors(local_dir, expected),
-            "reload": check_reload(local_dir, trust_remote_code, expected.tied, expected.adapter, timeout_s),
+            "fidelity": check_fidelity(local_dir, expected),
+            "reload": check_reload(local_dir, expected, timeout_s),
         }
-    return {"passed": True, "checks": checks}
+    return {"passed": True, "level": expected.level, "checks": checks}
 
 
 def _download_all(store: Store, local_dir: str) -> str:
+    store.fs.invalidate_cache(store.path())
     for name in store.fs.find(store.path()):
         relative = os.path.relpath(name, store.path())
         target = os.path.join(local_dir, relative)

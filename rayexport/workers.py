@@ -18,11 +18,12 @@ import torch
 from tqdm import tqdm
 
 from rayexport import transport
+from rayexport.dtypes import dtype_of
 from rayexport.layouts.hf import SafetensorsTensors
 from rayexport.layouts.verl import ShardInfo, VerlCheckpoint, describe_tensor, load_rank_state, local_tensor
 from rayexport.plan import BASE_MODEL_RANK, Bucket, Piece, ShardFile, TensorPlan
 from rayexport.storage import Store
-from rayexport.writer import write_shards
+from rayexport.writer import tensor_bytes, write_shards
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,14 @@ class ExportWorker:
                     worst = max(worst, (first.double() - second.double()).abs().max().item())
             differences[pair] = worst
         return differences
+
+    def source_digests(self, requests: list[tuple[Piece, str]]) -> list[str]:
+        """sha256 of each requested piece as this worker read it, cast to its output dtype: the
+        verification's reference, taken before the data goes near the gather."""
+        return [
+            hashlib.sha256(tensor_bytes(self._local(piece).to(dtype_of(dtype)))).hexdigest()
+            for piece, dtype in requests
+        ]
 
     def send(self, buckets: list[Bucket]) -> dict[str, Any]:
         """A non-exporting worker's whole transfer: pack and send its pieces, bucket by bucket."""

@@ -1,0 +1,51 @@
+"""`python -m rayexport.verify URI`: re-run the export checks on an existing export.
+
+Exit 0 only when URI holds a committed export (its manifest) and every check passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rayexport.errors import ExportError
+from rayexport.manifest import MANIFEST_NAME, read_manifest
+from rayexport.storage import Store, storage_options_from_env
+from rayexport.verification import ExpectedExport, verify_export
+
+
+def verify_uri(uri: str, level: str | None = None, storage_options: dict | None = None, timeout_s: float = 1800) -> dict:
+    """Check the committed export at `uri` against its manifest; raise ExportError naming the
+    first problem, else return each check's numbers."""
+    store = Store(uri, storage_options_from_env(storage_options))
+    manifest = read_manifest(store)
+    if manifest is None:
+        raise ExportError(f"'{uri}' is not a committed export (no {MANIFEST_NAME})")
+    try:
+        expected = ExpectedExport.from_manifest(manifest, level)
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ExportError(f"'{store.display(MANIFEST_NAME)}' is not a rayexport manifest: missing {error}") from None
+    return verify_export(store, expected, timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rayexport.verify", description=__doc__.splitlines()[0])
+    parser.add_argument("uri", help="an export's location (any fsspec URI)")
+    parser.add_argument("--level", choices=("full", "quick"), help="default: the level the export was verified at")
+    parser.add_argument("--storage-options", type=json.loads, default={}, metavar="JSON")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--json", action="store_true", help="print the checks' numbers as JSON")
+    args = parser.parse_args(argv)
+    try:
+        result = verify_uri(args.uri, args.level, args.storage_options, args.timeout)
+    except ExportError as error:
+        print(f"rayexport: error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else f"verified {args.uri} ({result['level']}): "
+          + ", ".join(result["checks"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Verification catches each way a real export goes wrong; each test asserts the message of the
+check that must catch it, so removing that check fails the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from rayexport.errors import ExportError
+from rayexport.verification import VerificationError
+from rayexport.verify import verify_uri
+
+SHARD_1 = "model-00001-of-00003.safetensors"
+
+
+@pytest.fixture(scope="module")
+def committed(checkpoints, ray_address, tmp_path_factory):
+    """One committed export of the tied checkpoint, in three shard files."""
+    from rayexport import export
+
+    destination = str(tmp_path_factory.mktemp("verify") / "export")
+    report = export(checkpoints["tied"].path, destination, workers=2, max_shard_size="60KB", verify="full")
+    assert len([name for name in report.files if name.startswith("model-")]) == 3
+    return destination
+
+
+@pytest.fixture
+def export_copy(committed, tmp_path):
+    return str(shutil.copytree(committed, tmp_path / "export"))
+
+
+def manifest_of(folder):
+    with open(f"{folder}/export_manifest.json") as handle:
+        return json.load(handle)
+
+
+def save_manifest(folder, manifest):
+    with open(f"{folder}/export_manifest.json", "w") as handle:
+        json.dump(manifest, handle)
+
+
+def rewrite_recorded(folder, name, data: bytes):
+    """Replace a file and its recorded size and sha256, as a consistent writer bug would."""
+    import hashlib
+
+    with open(f"{folder}/{name}", "wb") as handle:
+        handle.write(data)
+    manifest = manifest_of(folder)
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    save_manifest(folder, manifest)
+
+
+def fails(folder, *fragments, level="full"):
+    with pytest.raises(VerificationError) as error:
+        verify_uri(folder, level)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+    return str(error.value)
+
+
+def test_a_committed_export_verifies(export_copy):
+    result = verify_uri(export_copy)
+    assert result["passed"] and result["checks"]["fidelity"]["pieces_checked"] > 0
+    assert result["checks"]["reload"]["untied"] == [] and result["checks"]["reload"]["logits_finite"]
+
+
+def test_no_manifest_is_not_a_committed_export(export_copy):
+    os.remove(f"{export_copy}/export_manifest.json")
+    with pytest.raises(ExportError, match="not a committed export"):
+        verify_uri(export_copy)
+
+
+def test_flipped_byte_fails_the_file_digest(export_copy):
+    path = f"{export_copy}/{SHARD_1}"
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    fails(export_copy, "integrity", SHARD_1, "sha256")
+
+
+def test_truncated_shard_cannot_be_parsed(export_copy):
+    path = f"{export_copy}/{SHARD_1}"
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    fails(export_copy, "structure", SHARD_1, "cannot be parsed")
+
+
+def test_dropped_shard_is_missing(export_copy):
+    os.remove(f"{export_copy}/{SHARD_1}")
+    fails(export_copy, "structure", SHARD_1, "missing")
+
+
+def test_index_pointing_outside_the_export_is_refused(export_copy):
+    index_path = f"{export_copy}/model.safetensors.index.json"
+    index = json.load(open(index_path))
+    key = next(iter(index["weight_map"]))
+    index["weight_map"][key] = "../evil.safetensors"
+    json.dump(index, open(index_path, "w"))
+    fails(export_copy, "structure", "invalid shard file", "../evil.safetensors")
+
+
+def test_duplicate_key_across_shards(export_copy):
+    index = json.load(open(f"{export_copy}/model.safetensors.index.json"))
+    first_shard = load_file(f"{export_copy}/{SHARD_1}")
+    other = sorted(set(index["weight_map"].values()) - {SHARD_1})[0]
+    tensors = load_file(f"{export_copy}/{other}")
+    key = next(iter(first_shard))
+    tensors[key] = first_shard[key]
+    save_file(tensors, f"{export_copy}/{other}", metadata={"format": "pt"})
+    fails(export_copy, "structure", key, "in both")
+
+
+def swap_same_shaped(folder):
+    """Swap the data of two same-shaped tensors in one shard, with consistent file digests."""
+    for name in sorted(n for n in os.listdir(folder) if n.startswith("model-")):
+        tensors = load_file(f"{folder}/{name}")
+        by_shape = {}
+        for key, tensor in sorted(tensors.items()):
+            by_shape.setdefault((tuple(tensor.shape), tensor.dtype), []).append(key)
+        pairs = [keys for keys in by_shape.values() if len(keys) > 1]
+        for first, second in (keys[:2] for keys in pairs):
+            if not tensors[first].equal(tensors[second]):
+                tensors[first], tensors[second] = tensors[second], tensors[first]
+                from safetensors.torch import save
+
+                rewrite_recorded(folder, name, save(tensors, metadata={"format": "pt"}))
+                return first, second
+    raise AssertionError("no two different same-shaped tensors")
+
+
+def test_swapped_tensors_fail_the_tensor_digests(export_copy):
+    first, second = swap_same_shaped(export_copy)
+    message = fails(export_copy, "integrity", "does not match its recorded digest")
+    assert first in message or second in message
+
+
+def test_swapped_tensors_fail_fidelity_even_with_consistent_digests(export_copy):
+    """An exporter that wrote the wrong tensor under a name and recorded its digest: only the
+    comparison with the source pieces can tell."""
+    import hashlib
+
+    from rayexport.writer import tensor_bytes
+
+    first, second = swap_same_shaped(export_copy)
+    manifest = manifest_of(export_copy)
+    for name in [n for n in os.listdir(export_copy) if n.startswith("model-")]:
+        for key, tensor in load_file(f"{export_copy}/{name}").items():
+            manifest["tensors"][key]["sha256"] = hashlib.sha256(tensor_bytes(tensor)).hexdigest()
+    save_manifest(export_copy, manifest)
+    message = fails(export_copy, "fidelity", "differs from rank")
+    assert first in message or second in message
+
+
+def test_quick_checks_a_sample_and_loads_no_weights(export_copy):
+    result = verify_uri(export_copy, "quick")
+    assert result["level"] == "quick" and result["checks"]["reload"]["logits_finite"] is None
+    assert 0 < result["checks"]["tensors"]["digests_checked"] <= 16
+
+
+def test_remote_code_runs_without_storage_credentials(export_copy, tmp_path, monkeypatch):
+    """The reload imports the export's code; it must not see the AWS variables the verifier has."""
+    seen = tmp_path / "seen.txt"
+    code = (
+        "import os\n"
+        "from transformers import Qwen2ForCausalLM\n"
+        f"open({str(seen)!r}, 'w').write(repr(sorted(k for k in os.environ if k.startswith('AWS_'))))\n\n\n"
+        "class SpyForCausalLM(Qwen2ForCausalLM):\n"
+        "    pass\n"
+    )
+    rewrite_recorded(export_copy, "modeling_spy.py", code.encode())
+    config = json.load(open(f"{export_copy}/config.json"))
+    config.update(architectures=["SpyForCausalLM"], auto_map={"AutoModelForCausalLM": "modeling_spy.SpyForCausalLM"})
+    rewrite_recorded(export_copy, "config.json", json.dumps(config).encode())
+    manifest = manifest_of(export_copy)
+    manifest["options"]["trust_remote_code"] = True
+    save_manifest(export_copy, manifest)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "sentinel-secret-do-not-leak")
+    result = verify_uri(export_copy)
+    assert result["checks"]["reload"]["class"] == "SpyForCausalLM"
+    assert seen.read_text() == "[]"
+
+
+def test_verify_cli_exit_codes(export_copy):
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "rayexport.verify", export_copy, "--level", "quick"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "verified" in ok.stdout
+    os.remove(f"{export_copy}/export_manifest.json")
+    missing = subprocess.run([sys.executable, "-m", "rayexport.verify", export_copy], capture_output=True, text=True)
+    assert missing.returncode == 1 and "not a committed export" in missing.stderr
