@@ -114,6 +114,8 @@ def run_export(options: ExportOptions) -> ExportReport:
                     f"{existing.get('source')} with other options; pass --force to replace it"
                 )
             destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
+        for key in destination.abort_uploads():
+            log.warning("aborted an unfinished upload left by an earlier run: %s", key)
         hf_source = _hf_folder(source, checkpoint, base_model)
         model = _describe_model(hf_source, base_model, options)
         destination.write_bytes(".rayexport-write-probe", b"")
@@ -138,6 +140,7 @@ def run_export(options: ExportOptions) -> ExportReport:
             rank_infos.update(group.load(source, checkpoint, rest))
             base_infos = group.load_base_model(base_model) if base_model else None
         lora = LoraRequest(options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora})
+        source_finite = _check_finite(rank_infos, options.strict)
         aliases = model["aliases"]
         planning = plan_tensors(rank_infos, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
         differences = group.tied_differences(planning.tied_key_pairs)
@@ -168,7 +171,7 @@ def run_export(options: ExportOptions) -> ExportReport:
     }
     expected = ExpectedExport(
         files=result["files"], tensors=tensors, tied=_tied_pairs(aliases, by_name), adapter=bool(planning.adapters),
-        pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code,
+        pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code, source_finite=source_finite,
     )
     with _stage(seconds, "verify"):
         verification = _verify(destination, expected, options)
@@ -237,6 +240,19 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return str(value)
+
+
+def _check_finite(rank_infos: dict[int, dict[str, Any]], strict: bool) -> bool:
+    """NaN or Inf in the weights: a warning naming the tensors, or with --strict the end.
+    Returns whether every weight is finite."""
+    bad = sorted({key for infos in rank_infos.values() for key, info in infos.items() if not info.finite})
+    if not bad:
+        return True
+    message = f"tensor '{bad[0]}' holds NaN or Inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+    if strict:
+        raise ExportError(message + " (--strict)")
+    log.warning("%s; exporting anyway (--strict refuses)", message)
+    return False
 
 
 def verify_level(requested: str, total_bytes: int) -> str:
@@ -429,7 +445,7 @@ class WorkerGroup:
 
     def load(self, source: Store, checkpoint: VerlCheckpoint, ranks_by_worker: dict[int, list[int]]) -> dict:
         references = [
-            self.actors[worker].load.remote(source, checkpoint, ranks)
+            self.actors[worker].load.remote(source, checkpoint, ranks, self.options.unsafe_pickle)
             for worker, ranks in ranks_by_worker.items() if ranks
         ]
         infos: dict = {}

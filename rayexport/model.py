@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rayexport.dtypes import dtype_name
-from rayexport.errors import ExportError
+from rayexport.errors import ExportError, one_line
 from rayexport.storage import Store
 
 WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.safetensors\.index\.json|\.bin\.index\.json)$")
@@ -52,7 +52,7 @@ def load_config(local_dir: str, raw: dict, trust_remote_code: bool):
     try:
         return AutoConfig.from_pretrained(local_dir, trust_remote_code=trust_remote_code)
     except Exception as error:  # noqa: BLE001 - transformers raises many types
-        raise ExportError(f"config.json cannot be loaded by transformers: {error}") from None
+        raise ExportError(f"config.json cannot be loaded by transformers: {one_line(error)}") from None
 
 
 def config_dtype(config) -> str | None:
@@ -115,7 +115,7 @@ def build_meta_model(config, trust_remote_code: bool) -> torch.nn.Module:
     except ExportError:
         raise
     except Exception as error:  # noqa: BLE001 - model code raises anything
-        raise ExportError(f"cannot build the model from config.json: {type(error).__name__}: {error}") from None
+        raise ExportError(f"cannot build the model from config.json: {type(error).__name__}: {one_line(error)}") from None
 
 
 def expected_tensors(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:

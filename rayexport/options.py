@@ -52,6 +52,8 @@ class ExportOptions:
     lora_alpha: float | None = None
     lora_rslora: bool | None = None
     untie: bool = False
+    strict: bool = False
+    unsafe_pickle: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +75,6 @@ class ExportOptions:
             for name, value in dataclasses.asdict(self).items()
             if name in (
                 "dtype", "max_shard_size", "trust_remote_code", "verify", "lora", "base_model",
-                "lora_alpha", "lora_rslora", "untie",
+                "lora_alpha", "lora_rslora", "untie", "strict",
             )
         }

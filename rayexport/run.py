@@ -8,7 +8,7 @@ import logging
 import sys
 import traceback
 
-from rayexport.errors import ExportError
+from rayexport.errors import ExportError, one_line
 from rayexport.options import BACKENDS, DTYPES, LORA_MODES, VERIFY_LEVELS, ExportOptions
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--src", help="checkpoint prefix (local path, file://, s3://, any fsspec URI)")
     parser.add_argument("--dst", help="where the Hugging Face model is written")
     parser.add_argument("--demo", action="store_true", help="export a tiny embedded FSDP2 checkpoint")
+    parser.add_argument("--cleanup", metavar="DST", help="abort unfinished multipart uploads under DST, then exit")
     parser.add_argument("--workers", type=int, help="worker actors (default: min(world size, cluster CPUs))")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="nccl on GPUs, gloo on CPUs")
     parser.add_argument("--bucket-size", default="1GiB", help="bytes gathered per step (default 1GiB)")
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-rslora", action="store_true", default=None, help="the adapter was trained with rsLoRA")
     parser.add_argument("--untie", action="store_true",
                         help="tied tensors whose saved values differ: keep both and untie the config")
+    parser.add_argument("--strict", action="store_true", help="fail on NaN/Inf weights instead of warning")
+    parser.add_argument("--unsafe-pickle", action="store_true",
+                        help="load rank files with the full unpickler (runs code in them; trusted files only)")
     parser.add_argument("--timeout", type=float, default=1800.0, dest="timeout_s",
                         help="deadline in seconds for each distributed step and the verification")
     parser.add_argument("--num-cpus-per-worker", type=float, default=1.0)
@@ -52,12 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if args.cleanup:
+        return cleanup(args.cleanup, args.storage_options)
     if not args.demo and not (args.src and args.dst):
-        parser.error("--src and --dst are required (or --demo)")
+        parser.error("--src and --dst are required (or --demo, or --cleanup DST)")
     option_names = (
         "workers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
         "trust_remote_code", "verify", "force", "timeout_s", "num_cpus_per_worker", "log_level",
-        "lora", "base_model", "lora_alpha", "lora_rslora", "untie",
+        "lora", "base_model", "lora_alpha", "lora_rslora", "untie", "strict", "unsafe_pickle",
     )
     options = {name: getattr(args, name) for name in option_names}
     try:
@@ -73,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as error:
         if args.debug:
             traceback.print_exc()
-        print(f"rayexport: error: {error}", file=sys.stderr)
+        print(f"rayexport: error: {one_line(error)}", file=sys.stderr)
         return 1
     except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
         if args.debug:
             traceback.print_exc()
-        print(f"rayexport: internal error: {type(error).__name__}: {error}".splitlines()[0], file=sys.stderr)
+        print(f"rayexport: internal error: {type(error).__name__}: {one_line(error)}", file=sys.stderr)
         return 2
     print(report.summary())
     if args.report == "-":
@@ -86,6 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     elif args.report:
         with open(args.report, "w") as handle:
             handle.write(report.to_json())
+    return 0
+
+
+def cleanup(uri: str, storage_options: dict) -> int:
+    """`--cleanup DST`: abort the multipart uploads a killed export left under DST."""
+    from rayexport.storage import Store, storage_options_from_env
+
+    try:
+        aborted = Store(uri, storage_options_from_env(storage_options)).abort_uploads()
+    except ExportError as error:
+        print(f"rayexport: error: {error}", file=sys.stderr)
+        return 1
+    print(f"aborted {len(aborted)} unfinished upload(s) under {uri}" + "".join(f"\n  {key}" for key in aborted))
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import IO, Any, Iterator
 import fsspec
 from fsspec.core import url_to_fs
 
-from rayexport.errors import ExportError
+from rayexport.errors import ExportError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Store:
         try:
             self.fs, self.root = url_to_fs(self.uri, **fs_options)
         except (ValueError, ImportError) as error:
-            raise ExportError(f"cannot open storage URI '{self.uri}': {error}") from None
+            raise ExportError(f"cannot open storage URI '{self.uri}': {one_line(error)}") from None
         self.is_local = "file" in _protocols(self.fs)
 
     def display(self, name: str = "") -> str:
@@ -86,7 +86,7 @@ class Store:
         except FileNotFoundError:
             return []
         except Exception as error:  # noqa: BLE001 - storage clients raise many types
-            raise ExportError(f"cannot list '{self.display(name)}': {error}") from None
+            raise ExportError(f"cannot list '{self.display(name)}': {one_line(error)}") from None
         return sorted(
             posixpath.basename(entry["name"].rstrip("/"))
             for entry in entries
@@ -104,7 +104,7 @@ class Store:
         try:
             return json.loads(data)
         except ValueError as error:
-            raise ExportError(f"'{self.display(name)}' is not valid JSON: {error}") from None
+            raise ExportError(f"'{self.display(name)}' is not valid JSON: {one_line(error)}") from None
 
     def open_read(self, name: str) -> IO[bytes]:
         return self._call("open", name, self.fs.open, self.path(name), "rb")
@@ -119,6 +119,20 @@ class Store:
     def delete(self, name: str) -> None:
         if self.exists(name):
             self._call("delete", name, self.fs.rm_file, self.path(name))
+
+    def abort_uploads(self) -> list[str]:
+        """Abort unfinished multipart uploads under this prefix (left by a killed export);
+        return their keys. Only S3 has them."""
+        if "s3" not in _protocols(self.fs):
+            return []
+        bucket, _, key_prefix = self.root.partition("/")
+        uploads = self._call("list uploads", "", self.fs.list_multipart_uploads, bucket)
+        aborted = []
+        for upload in uploads:
+            if upload["Key"] == key_prefix or upload["Key"].startswith(key_prefix.rstrip("/") + "/"):
+                self._call("abort upload", upload["Key"], self.fs.abort_mpu, bucket, upload["Key"], upload["UploadId"])
+                aborted.append(upload["Key"])
+        return sorted(aborted)
 
     @contextlib.contextmanager
     def writer(self, name: str) -> Iterator[IO[bytes]]:
@@ -148,12 +162,12 @@ class Store:
         except FileNotFoundError as error:
             if operation in _READS:
                 raise ExportError(f"not found: '{self.display(name)}'") from None
-            raise ExportError(f"storage {operation} failed for '{self.display(name)}': {error}") from None
+            raise ExportError(f"storage {operation} failed for '{self.display(name)}': {one_line(error)}") from None
         except ExportError:
             raise
         except Exception as error:  # noqa: BLE001 - storage clients raise many types
             raise ExportError(
-                f"storage {operation} failed for '{self.display(name)}': {type(error).__name__}: {error}"
+                f"storage {operation} failed for '{self.display(name)}': {type(error).__name__}: {one_line(error)}"
             ) from None
 
 

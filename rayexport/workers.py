@@ -62,12 +62,14 @@ class ExportWorker:
             backend, self.index, self.num_workers, host, port, timeout_s, store=self.rendezvous
         )
 
-    def load(self, source: Store, checkpoint: VerlCheckpoint, ranks: list[int]) -> dict[int, dict[str, ShardInfo]]:
+    def load(
+        self, source: Store, checkpoint: VerlCheckpoint, ranks: list[int], unsafe_pickle: bool = False
+    ) -> dict[int, dict[str, ShardInfo]]:
         """Load this worker's rank files; describe what each holds."""
         infos = {}
         for rank in ranks:
             name = checkpoint.rank_files[rank]
-            state = load_rank_state(source, name, self.spool_dir)
+            state = load_rank_state(source, name, self.spool_dir, unsafe_pickle)
             self.bytes_read += source.size(name)
             self.states[rank] = state
             infos[rank] = {key: describe_tensor(value, rank) for key, value in state.items()}

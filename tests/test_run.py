@@ -107,3 +107,92 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_demo_requires_nothing_else_but_src_and_dst_otherwise():
     completed = run_cli("--src", "/tmp/x")
     assert completed.returncode == 2 and "--src and --dst are required" in completed.stderr
+
+
+def test_malicious_pickle_is_refused(broken_copy, tmp_path):
+    import pickle
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    torch_file = broken_copy / "model_world_size_3_rank_1.pt"
+    import torch
+
+    torch.save({"model.norm.weight": Exploit()}, torch_file, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
+                 "model_world_size_3_rank_1.pt", "cannot be loaded")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_nan_weights_warn_or_fail_under_strict(broken_copy, tmp_path):
+    import torch
+
+    def poison(state):
+        norm = state["model.norm.weight"]
+        norm._local_tensor = norm._local_tensor.clone()  # its own storage, as training would leave it
+        norm._local_tensor[0] = float("nan")
+
+    for rank in range(3):
+        path = broken_copy / f"model_world_size_3_rank_{rank}.pt"
+        import torch.distributed.tensor  # noqa: F401
+
+        state = torch.load(path, weights_only=True)
+        if rank == 1:
+            poison(state)
+        torch.save(state, path)
+    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "strict"), "--strict"),
+                 "model.norm.weight", "NaN or Inf")
+    warned = run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "warned"))
+    assert warned.returncode == 0, warned.stderr[-2000:]
+    assert "model.norm.weight' holds NaN or Inf" in warned.stderr
+    assert (tmp_path / "warned" / "export_manifest.json").exists()
+
+
+def test_empty_prefix_unknown_scheme_bad_config(broken_copy, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_fails(run_cli("--src", str(empty), "--dst", str(tmp_path / "o1")), "is empty")
+    assert_fails(run_cli("--src", "nosuchscheme://bucket/x", "--dst", str(tmp_path / "o2")), "nosuchscheme://bucket/x")
+    (broken_copy / "huggingface" / "config.json").write_text("{not json")
+    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "o3")), "config.json", "not valid JSON")
+
+
+@pytest.mark.parametrize("change, fragments", [
+    ({"num_hidden_layers": 3, "layer_types": None}, ("model.layers.2.", "that the config's model needs")),
+    ({"num_hidden_layers": 1, "layer_types": None}, ("model.layers.1.", "is not in the config's model")),
+    ({"intermediate_size": 48}, ("mlp", "global shape [64, 32]", "expects [48, 32]")),
+], ids=["missing", "unexpected", "shape"])
+def test_config_that_does_not_match_the_weights(broken_copy, tmp_path, change, fragments):
+    config_path = broken_copy / "huggingface" / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(change)
+    config_path.write_text(json.dumps({key: value for key, value in config.items() if value is not None}))
+    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")), *fragments)
+
+
+def test_destination_inside_source(checkpoints):
+    assert_fails(run_cli("--src", checkpoints["tied"].path, "--dst", checkpoints["tied"].path + "/export"),
+                 "is inside source")
+
+
+def test_secrets_never_reach_logs_report_or_manifest(s3_checkpoints, s3_prefix, tmp_path):
+    """A sentinel secret as the S3 credential (moto accepts any), at DEBUG: not in the CLI's
+    output, the report, the manifest, or any Ray log of the session."""
+    import glob
+
+    from helpers import download
+
+    sentinel = "sentinel-secret-7f3a9"
+    completed = run_cli(
+        "--src", s3_checkpoints["tied"], "--dst", s3_prefix, "--log-level", "DEBUG", "--report", "-",
+        "--storage-options", json.dumps({"secret": sentinel}),
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert sentinel not in completed.stdout + completed.stderr
+    local = download(s3_prefix, str(tmp_path / "export"))
+    assert sentinel not in open(f"{local}/export_manifest.json").read()
+    for path in glob.glob("/tmp/ray/session_latest/logs/**/*", recursive=True):
+        if os.path.isfile(path):
+            with open(path, errors="replace") as handle:
+                assert sentinel not in handle.read(), path

@@ -102,10 +102,12 @@ class ShardInfo:
     mesh_shape: tuple[int, ...] | None = None
     mesh_ranks: tuple[int, ...] | None = None  # the device mesh, flattened row-major
     coordinate: tuple[int, ...] | None = None
+    finite: bool = True  # False when this rank's part holds NaN or Inf
 
 
-def load_rank_state(store: Store, name: str, spool_dir: str) -> dict[str, torch.Tensor]:
-    """Load one rank file memory-mapped, with the weights-only unpickler.
+def load_rank_state(store: Store, name: str, spool_dir: str, unsafe_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Load one rank file memory-mapped, with the weights-only unpickler (tensors, DTensors and
+    their placements only) unless `unsafe_pickle`, which runs arbitrary pickled code.
 
     A remote file is spooled to local disk first so that it too is memory-mapped rather than
     held in RAM.
@@ -120,7 +122,7 @@ def load_rank_state(store: Store, name: str, spool_dir: str) -> dict[str, torch.
         path = os.path.join(spool_dir, name)
         store.download(name, path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=not unsafe_pickle, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ExportError(f"rank file '{store.display(name)}' cannot be loaded: {reason}") from None
@@ -141,9 +143,10 @@ def describe_tensor(value: torch.Tensor, rank: int) -> ShardInfo:
     """The placement of one rank's (D)Tensor, without needing a process group."""
     local = local_tensor(value)
     dtype = dtype_name(local.dtype)
+    finite = not local.is_floating_point() or bool(torch.isfinite(local).all())
     mesh = getattr(value, "device_mesh", None)
     if mesh is None:
-        return ShardInfo(local_shape=tuple(local.shape), dtype=dtype)
+        return ShardInfo(local_shape=tuple(local.shape), dtype=dtype, finite=finite)
     positions = (mesh.mesh == rank).nonzero()
     if len(positions) != 1:
         raise ExportError(f"rank {rank} is not in the device mesh its own file records")
@@ -155,6 +158,7 @@ def describe_tensor(value: torch.Tensor, rank: int) -> ShardInfo:
         mesh_shape=tuple(mesh.mesh.shape),
         mesh_ranks=tuple(int(member) for member in mesh.mesh.flatten()),
         coordinate=tuple(int(index) for index in positions[0]),
+        finite=finite,
     )
 
 
