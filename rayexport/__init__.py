@@ -3,5 +3,6 @@
 from rayexport.errors import ExportError
 from rayexport.job import ExportReport, export
 from rayexport.options import ExportOptions
+from rayexport.remote import ExportFailed, export_remote
 
-__all__ = ["ExportError", "ExportOptions", "ExportReport", "export"]
+__all__ = ["ExportError", "ExportFailed", "ExportOptions", "ExportReport", "export", "export_remote"]

@@ -125,7 +125,7 @@ def run_export(options: ExportOptions) -> ExportReport:
 
     _ensure_ray(options)
     num_workers = _worker_count(options, checkpoint, ray.cluster_resources())
-    backend = choose_backend(options.backend, ray.cluster_resources().get("GPU", 0), num_workers)
+    backend = choose_backend(options.backend, ray.cluster_resources().get("GPU", 0), num_workers, options.num_gpus_per_worker)
     group = WorkerGroup(num_workers, backend, options)
     try:
         with _stage(seconds, "start_workers"):
@@ -262,11 +262,16 @@ def verify_level(requested: str, total_bytes: int) -> str:
     return "full" if total_bytes <= FULL_VERIFY_LIMIT else "quick"
 
 
-def choose_backend(requested: str, gpus_in_cluster: float, num_workers: int) -> str:
-    """nccl when asked, or with `auto` when the cluster has a GPU for every worker; else gloo."""
-    if requested == "auto":
-        return "nccl" if gpus_in_cluster >= num_workers else "gloo"
-    return requested
+def choose_backend(
+    requested: str, gpus_in_cluster: float, num_workers: int, gpus_per_worker: float | None = None
+) -> str:
+    """nccl when asked, or with `auto` when the cluster has a GPU for every worker and the
+    caller did not keep the export off GPUs (`gpus_per_worker=0`); else gloo."""
+    if requested != "auto":
+        return requested
+    if gpus_per_worker == 0:
+        return "gloo"
+    return "nccl" if gpus_in_cluster >= num_workers * (gpus_per_worker or 1) else "gloo"
 
 
 def _worker_count(options: ExportOptions, checkpoint: VerlCheckpoint, resources: dict[str, float]) -> int:
@@ -416,7 +421,9 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        gpus = 1 if self.backend == "nccl" else 0
+        gpus = self.options.num_gpus_per_worker
+        if gpus is None:
+            gpus = 1 if self.backend == "nccl" else 0
         bundle = {"CPU": self.options.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         self.placement_group = placement_group([bundle] * self.size, strategy="PACK")
         ready = self.placement_group.ready()
@@ -426,7 +433,7 @@ class WorkerGroup:
                 f"free resources: {ray.available_resources()}"
             )
         actor_class = ray.remote(ExportWorker)
-        device = "cuda" if gpus else "cpu"
+        device = "cuda" if self.backend == "nccl" else "cpu"
         for index in range(self.size):
             self.actors.append(
                 actor_class.options(

@@ -46,6 +46,7 @@ class ExportOptions:
     force: bool = False
     timeout_s: float = 1800.0
     num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float | None = None  # None: one per worker with nccl, none with gloo
     log_level: str = "INFO"
     lora: str = "merge"
     base_model: str | None = None

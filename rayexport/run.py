@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=1800.0, dest="timeout_s",
                         help="deadline in seconds for each distributed step and the verification")
     parser.add_argument("--num-cpus-per-worker", type=float, default=1.0)
+    parser.add_argument("--num-gpus-per-worker", type=float, help="default: 1 with nccl, 0 with gloo")
     parser.add_argument("--report", metavar="PATH|-", help="write the report as JSON to PATH or stdout")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--debug", action="store_true", help="full tracebacks on errors")
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--src and --dst are required (or --demo, or --cleanup DST)")
     option_names = (
         "workers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
-        "trust_remote_code", "verify", "force", "timeout_s", "num_cpus_per_worker", "log_level",
+        "trust_remote_code", "verify", "force", "timeout_s", "num_cpus_per_worker", "num_gpus_per_worker", "log_level",
         "lora", "base_model", "lora_alpha", "lora_rslora", "untie", "strict", "unsafe_pickle",
     )
     options = {name: getattr(args, name) for name in option_names}

@@ -76,7 +76,7 @@ def test_adapter_mode_writes_a_peft_adapter_on_the_base(lora_checkpoints, s3_lor
 
 def test_both_mode_writes_merged_model_and_adapter(lora_checkpoints, s3_lora, s3_prefix, tmp_path):
     written = lora_checkpoints["lora"]
-    local = export(s3_lora["lora"], s3_prefix, tmp_path, "--lora", "both")
+    local = export(s3_lora["lora"], s3_prefix, tmp_path, "--lora", "both", "--verify", "none")
     assert_weights_equal(local, written.reference_state)
     assert set(load_file(f"{local}/lora_adapter/adapter_model.safetensors")) == set(written.adapter_state)
 
@@ -86,7 +86,7 @@ def test_lora_only_checkpoint_needs_and_uses_the_base_model(lora_checkpoints, s3
     refused = run_cli("--src", s3_lora["lora_only"], "--dst", s3_prefix)
     assert refused.returncode == 1 and "--base-model" in refused.stderr
     base = upload(written.base_model, f"{s3_lora['lora_only']}-base")
-    local = export(s3_lora["lora_only"], s3_prefix, tmp_path, "--base-model", base)
+    local = export(s3_lora["lora_only"], s3_prefix, tmp_path, "--base-model", base, "--verify", "none")
     assert_weights_equal(local, written.reference_state)
     assert os.path.exists(f"{local}/tokenizer.json")
 
@@ -116,7 +116,7 @@ def test_code_missing_from_huggingface_folder_comes_from_base_model(lora_checkpo
     base = upload(written.base_model, f"{s3_prefix}-base")
     without = run_cli("--src", src, "--dst", s3_prefix, "--trust-remote-code")
     assert without.returncode == 1 and "modeling_tiny" in without.stderr
-    local = export(src, s3_prefix, tmp_path, "--base-model", base, "--trust-remote-code")
+    local = export(src, s3_prefix, tmp_path, "--base-model", base, "--trust-remote-code", "--verify", "none")
     assert os.path.exists(f"{local}/modeling_tiny.py")
     reloaded = reload_in_fresh_process(local, trust_remote_code=True)
     torch.testing.assert_close(reloaded["logits"], written.logits, rtol=1e-5, atol=1e-5)
