@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from rayexport.errors import ExportError
 from rayexport.dtypes import dtype_of
+from rayexport.layouts.dcp import DcpCheckpoint, assign_tensors, find_dcp_checkpoint, is_dcp_checkpoint
 from rayexport.layouts.verl import HF_DIR, VerlCheckpoint, find_verl_checkpoint
 from rayexport.lora import ADAPTER_DIR, adapter_config
 from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
@@ -25,8 +26,8 @@ from rayexport.model import (
 from rayexport.remote_code import auto_map_files, bundle_model_code
 from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
 from rayexport.plan import (
-    BASE_MODEL_RANK, LoraRequest, Piece, ShardFile, TensorPlanning, assign_ranks, needed_ranks, plan_buckets,
-    plan_shard_files, plan_tensors, safetensors_order,
+    BASE_MODEL_RANK, LoraRequest, Piece, ShardFile, TensorPlanning, assign_ranks, holders_from_ranks,
+    keep_ties_together, needed_ranks, plan_buckets, plan_holdings, plan_shard_files, safetensors_order,
 )
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.ties import check_tied_values, find_tie_aliases
@@ -53,6 +54,7 @@ class ExportReport:
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # checkpoint entries that are not model tensors
     already_committed: bool = False
 
     def to_json(self) -> str:
@@ -102,7 +104,7 @@ def run_export(options: ExportOptions) -> ExportReport:
     destination = Store(options.dst, storage_options)
     base_model = Store(options.base_model, storage_options) if options.base_model else None
     with _stage(seconds, "plan"):
-        checkpoint = find_verl_checkpoint(source)
+        checkpoint = find_checkpoint(source, options)
         _check_destination(source, destination)
         existing = read_manifest(destination)
         if existing is not None:
@@ -116,7 +118,8 @@ def run_export(options: ExportOptions) -> ExportReport:
             destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
         for key in destination.abort_uploads():
             log.warning("aborted an unfinished upload left by an earlier run: %s", key)
-        hf_source = _hf_folder(source, checkpoint, base_model)
+        hf_config = Store(options.hf_config, storage_options) if options.hf_config else None
+        hf_source = _hf_folder(source, checkpoint, hf_config, base_model)
         model = _describe_model(hf_source, base_model, options)
         destination.write_bytes(".rayexport-write-probe", b"")
         destination.delete(".rayexport-write-probe")
@@ -131,25 +134,33 @@ def run_export(options: ExportOptions) -> ExportReport:
         with _stage(seconds, "start_workers"):
             group.start()
         with _stage(seconds, "load"):
-            rank_infos = group.load(source, checkpoint, {0: [0]})
-            ranks = needed_ranks(rank_infos[0], checkpoint.world_size)
-            worker_of_rank = {**assign_ranks(ranks, num_workers), BASE_MODEL_RANK: 0}
-            rest: dict[int, list[int]] = {}
-            for rank in ranks[1:]:
-                rest.setdefault(worker_of_rank[rank], []).append(rank)
-            rank_infos.update(group.load(source, checkpoint, rest))
+            if isinstance(checkpoint, DcpCheckpoint):
+                assignment = keep_ties_together(assign_tensors(checkpoint, num_workers), model["aliases"])
+                rank_infos = group.load_dcp(source, checkpoint, assignment)
+                worker_of_rank = {worker: worker for worker in range(num_workers)}
+                holders = {key: {rank: infos[key]} for rank, infos in rank_infos.items() for key in infos}
+            else:
+                rank_infos = group.load(source, checkpoint, {0: [0]})
+                ranks = needed_ranks(rank_infos[0], checkpoint.world_size)
+                worker_of_rank = assign_ranks(ranks, num_workers)
+                rest: dict[int, list[int]] = {}
+                for rank in ranks[1:]:
+                    rest.setdefault(worker_of_rank[rank], []).append(rank)
+                rank_infos.update(group.load(source, checkpoint, rest))
+                holders = holders_from_ranks(rank_infos)
+            worker_of_rank[BASE_MODEL_RANK] = 0
             base_infos = group.load_base_model(base_model) if base_model else None
         lora = LoraRequest(options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora})
         source_finite = _check_finite(rank_infos, options.strict)
         aliases = model["aliases"]
-        planning = plan_tensors(rank_infos, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
+        planning = plan_holdings(holders, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
         differences = group.tied_differences(planning.tied_key_pairs)
         tied_values = {pair: differences[keys] for pair, keys in zip(planning.resolution.to_compare, planning.tied_key_pairs)}
         untied = {alias for (_, alias), difference in tied_values.items() if difference != 0.0}
         if untied and options.untie:
             log.warning("untying %s: their saved values differ from the tensors they were tied to", sorted(untied))
             aliases = {alias: canonical for alias, canonical in aliases.items() if alias not in untied}
-            planning = plan_tensors(rank_infos, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
+            planning = plan_holdings(holders, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
         else:
             check_tied_values(tied_values)
         shard_files = plan_shard_files(planning.tensors, options.max_shard_size)
@@ -203,19 +214,38 @@ def run_export(options: ExportOptions) -> ExportReport:
         peak_rss_bytes={f"worker{stats['worker']}": stats["peak_rss_bytes"] for stats in worker_stats},
         files=result["files"],
         verification=verification,
+        skipped=list(getattr(checkpoint, "skipped", [])),
     )
 
 
-def _hf_folder(source: Store, checkpoint: VerlCheckpoint, base_model: Store | None) -> Store:
-    """Where config, tokenizer and code come from: the checkpoint's `huggingface/`, else the
-    base model folder."""
+def find_checkpoint(source: Store, options: ExportOptions) -> VerlCheckpoint | DcpCheckpoint:
+    """The checkpoint at `source`, read by the layout `--layout` names or, with `auto`, the one
+    its files show (`.metadata`: DCP; rank files: verl)."""
+    layout = options.layout
+    if layout == "auto":
+        dcp_files = is_dcp_checkpoint(source) or any(name.endswith(".distcp") for name in source.list())
+        layout = "dcp" if dcp_files else "verl"
+    if layout == "dcp":
+        return find_dcp_checkpoint(source, options.dcp_prefix, unsafe_pickle=options.unsafe_pickle)
+    return find_verl_checkpoint(source)
+
+
+def _hf_folder(
+    source: Store, checkpoint: VerlCheckpoint | DcpCheckpoint, hf_config: Store | None, base_model: Store | None
+) -> Store:
+    """Where config, tokenizer and code come from: the checkpoint's `huggingface/`, else
+    `--hf-config`, else the `--base-model` folder."""
     if checkpoint.has_hf_config:
         return source.child(HF_DIR)
-    if base_model is not None:
-        if not base_model.exists("config.json"):
-            raise ExportError(f"missing '{base_model.display('config.json')}'")
-        return base_model
-    raise ExportError(f"missing '{source.display(HF_DIR + '/config.json')}' (or pass --base-model)")
+    for folder in (hf_config, base_model):
+        if folder is not None:
+            if not folder.exists("config.json"):
+                raise ExportError(f"missing '{folder.display('config.json')}'")
+            return folder
+    raise ExportError(
+        f"missing '{source.display(HF_DIR + '/config.json')}': pass --hf-config URI (a folder with the "
+        f"model's config.json and tokenizer) or --base-model"
+    )
 
 
 def _generated_files(raw_config: dict, planning: TensorPlanning, untie: bool, options: ExportOptions) -> dict[str, bytes]:
@@ -274,7 +304,7 @@ def choose_backend(
     return "nccl" if gpus_in_cluster >= num_workers * (gpus_per_worker or 1) else "gloo"
 
 
-def _worker_count(options: ExportOptions, checkpoint: VerlCheckpoint, resources: dict[str, float]) -> int:
+def _worker_count(options: ExportOptions, checkpoint: VerlCheckpoint | DcpCheckpoint, resources: dict[str, float]) -> int:
     if options.workers is not None:
         return min(options.workers, checkpoint.world_size)
     available = int(resources.get("CPU", 1) // max(options.num_cpus_per_worker, 1e-9))
@@ -288,11 +318,13 @@ def _check_destination(source: Store, destination: Store) -> None:
         raise ExportError(f"destination '{destination.uri}' is inside source '{source.uri}'")
 
 
-def _same_export(manifest: dict[str, Any], checkpoint: VerlCheckpoint, options: ExportOptions) -> bool:
+def _same_export(manifest: dict[str, Any], checkpoint: VerlCheckpoint | DcpCheckpoint, options: ExportOptions) -> bool:
     return manifest.get("source") == checkpoint.uri and manifest.get("options") == options.recorded()
 
 
-def _already_committed(options: ExportOptions, checkpoint: VerlCheckpoint, manifest: dict[str, Any]) -> ExportReport:
+def _already_committed(
+    options: ExportOptions, checkpoint: VerlCheckpoint | DcpCheckpoint, manifest: dict[str, Any]
+) -> ExportReport:
     log.info("%s already holds a committed export of %s", options.dst, checkpoint.uri)
     return ExportReport(
         source=checkpoint.uri, destination=options.dst, manifest=f"{options.dst.rstrip('/')}/{MANIFEST_NAME}",
@@ -454,6 +486,18 @@ class WorkerGroup:
         references = [
             self.actors[worker].load.remote(source, checkpoint, ranks, self.options.unsafe_pickle)
             for worker, ranks in ranks_by_worker.items() if ranks
+        ]
+        infos: dict = {}
+        for part in self._get(references):
+            infos.update(part)
+        return infos
+
+    def load_dcp(self, source: Store, checkpoint: DcpCheckpoint, keys_by_worker: list[list[str]]) -> dict:
+        """Each worker reads its share of a DCP checkpoint's tensors; returns their descriptions
+        keyed by worker (each worker is the pseudo-rank of what it read)."""
+        references = [
+            self.actors[worker].load_dcp.remote(source, checkpoint, keys, self.options.unsafe_pickle)
+            for worker, keys in enumerate(keys_by_worker) if keys
         ]
         infos: dict = {}
         for part in self._get(references):

@@ -15,6 +15,7 @@ VERIFY_LEVELS = ("auto", "full", "quick", "none")
 # `--verify auto` loads and runs the export (full) up to this many bytes, else checks a sample (quick).
 FULL_VERIFY_LIMIT = 8 * 10**9
 LORA_MODES = ("merge", "adapter", "both")
+LAYOUTS = ("auto", "verl", "dcp")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -55,10 +56,13 @@ class ExportOptions:
     untie: bool = False
     strict: bool = False
     unsafe_pickle: bool = False
+    layout: str = "auto"
+    hf_config: str | None = None
+    dcp_prefix: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        checked = (("backend", BACKENDS), ("dtype", DTYPES), ("verify", VERIFY_LEVELS), ("lora", LORA_MODES))
+        checked = (("backend", BACKENDS), ("dtype", DTYPES), ("verify", VERIFY_LEVELS), ("lora", LORA_MODES), ("layout", LAYOUTS))
         for name, allowed in checked:
             if getattr(self, name) not in allowed:
                 raise ExportError(f"--{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
@@ -76,6 +80,6 @@ class ExportOptions:
             for name, value in dataclasses.asdict(self).items()
             if name in (
                 "dtype", "max_shard_size", "trust_remote_code", "verify", "lora", "base_model",
-                "lora_alpha", "lora_rslora", "untie", "strict",
+                "lora_alpha", "lora_rslora", "untie", "strict", "dcp_prefix",
             )
         }

@@ -225,11 +225,32 @@ def plan_tensors(
     `base_model` describes the tensors of a base model folder, used for names the rank files
     lack (LoRA-only checkpoints); the exporter reads those itself as `BASE_MODEL_RANK`.
     """
-    lora = lora or LoraRequest()
-    ranks = sorted(rank_infos)
+    return plan_holdings(
+        holders_from_ranks(rank_infos), expected, aliases, requested_dtype, config_dtype, lora, base_model
+    )
+
+
+def holders_from_ranks(rank_infos: dict[int, dict[str, ShardInfo]]) -> dict[str, dict[int, ShardInfo]]:
+    """Per key, what each rank holds; every rank file of one checkpoint must hold the same keys."""
     _check_same_keys(rank_infos)
+    ranks = sorted(rank_infos)
+    return {key: {rank: rank_infos[rank][key] for rank in ranks} for key in rank_infos[ranks[0]]}
+
+
+def plan_holdings(
+    holders: dict[str, dict[int, ShardInfo]],
+    expected: dict[str, tuple[tuple[int, ...], str]],
+    aliases: dict[str, str],
+    requested_dtype: str,
+    config_dtype: str | None,
+    lora: LoraRequest | None = None,
+    base_model: dict[str, ShardInfo] | None = None,
+) -> TensorPlanning:
+    """`plan_tensors` for any layout: `holders` maps each source key to the (pseudo-)ranks that
+    hold part of it (a DCP checkpoint read as whole tensors: one holder per key)."""
+    lora = lora or LoraRequest()
     source_key_of: dict[str, str] = {}
-    for key in rank_infos[ranks[0]]:
+    for key in holders:
         name = normalize_key(key)
         if name in source_key_of:
             raise ExportError(f"keys '{source_key_of[name]}' and '{key}' both name tensor '{name}'")
@@ -275,12 +296,11 @@ def plan_tensors(
             plans[name] = plan_for(name, name, shape, {BASE_MODEL_RANK: base_model[name]})
         else:
             key = checkpoint_key[resolution.sources[name]]
-            plans[name] = plan_for(name, key, shape, {rank: rank_infos[rank][key] for rank in ranks})
+            plans[name] = plan_for(name, key, shape, holders[key])
 
     settings, adapters = None, []
     if targets:
-        first_a = {rank: rank_infos[rank][source_key_of[targets[0].a_name]] for rank in ranks}
-        settings = lora_settings(lora.meta, _rows(first_a), lora.overrides)
+        settings = lora_settings(lora.meta, _rows(holders[source_key_of[targets[0].a_name]]), lora.overrides)
         for target in targets:
             weight = f"{target.module}.weight"
             if weight not in plans:
@@ -290,8 +310,7 @@ def plan_tensors(
             for which, normalized, shape in (("A", target.a_name, (settings.r, in_features)),
                                              ("B", target.b_name, (out_features, settings.r))):
                 key = source_key_of[normalized]
-                halves.append(plan_for(adapter_tensor_name(target, which), key, shape,
-                                       {rank: rank_infos[rank][key] for rank in ranks}))
+                halves.append(plan_for(adapter_tensor_name(target, which), key, shape, holders[key]))
             if lora.mode in ("merge", "both"):
                 plans[weight] = replace(plans[weight], lora=LoraMerge(halves[0], halves[1], settings.scale))
             if lora.mode in ("adapter", "both"):
@@ -358,6 +377,18 @@ def plan_shard_files(tensors: list[TensorPlan], max_shard_size: int | str) -> li
         )
         for filename, names in split.filename_to_tensors.items()
     ]
+
+
+def keep_ties_together(keys_by_worker: list[list[str]], aliases: dict[str, str]) -> list[list[str]]:
+    """Move each tied alias to the worker that reads its canonical tensor, so the two saved
+    copies can be compared where they are read (DCP stores both)."""
+    worker_of = {key: worker for worker, keys in enumerate(keys_by_worker) for key in keys}
+    moved = [list(keys) for keys in keys_by_worker]
+    for alias, canonical in aliases.items():
+        if alias in worker_of and canonical in worker_of and worker_of[alias] != worker_of[canonical]:
+            moved[worker_of[alias]].remove(alias)
+            moved[worker_of[canonical]].append(alias)
+    return moved
 
 
 def assign_ranks(ranks: list[int], num_workers: int) -> dict[int, int]:

@@ -9,7 +9,7 @@ import sys
 import traceback
 
 from rayexport.errors import ExportError, one_line
-from rayexport.options import BACKENDS, DTYPES, LORA_MODES, VERIFY_LEVELS, ExportOptions
+from rayexport.options import BACKENDS, DTYPES, LAYOUTS, LORA_MODES, VERIFY_LEVELS, ExportOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dst", help="where the Hugging Face model is written")
     parser.add_argument("--demo", action="store_true", help="export a tiny embedded FSDP2 checkpoint")
     parser.add_argument("--cleanup", metavar="DST", help="abort unfinished multipart uploads under DST, then exit")
+    parser.add_argument("--layout", choices=LAYOUTS, default="auto",
+                        help="verl rank files or a PyTorch DCP directory (auto: from the files present)")
+    parser.add_argument("--hf-config", metavar="URI", help="HF folder with config.json/tokenizer when SRC has no huggingface/")
+    parser.add_argument("--dcp-prefix", help="key prefix of the model in a DCP state dict (default: detected)")
     parser.add_argument("--workers", type=int, help="worker actors (default: min(world size, cluster CPUs))")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="nccl on GPUs, gloo on CPUs")
     parser.add_argument("--bucket-size", default="1GiB", help="bytes gathered per step (default 1GiB)")
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
         "trust_remote_code", "verify", "force", "timeout_s", "num_cpus_per_worker", "num_gpus_per_worker", "log_level",
         "lora", "base_model", "lora_alpha", "lora_rslora", "untie", "strict", "unsafe_pickle",
+        "layout", "hf_config", "dcp_prefix",
     )
     options = {name: getattr(args, name) for name in option_names}
     try:

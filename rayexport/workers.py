@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from rayexport import transport
 from rayexport.dtypes import dtype_of
+from rayexport.layouts.dcp import DcpCheckpoint, read_tensors
 from rayexport.layouts.hf import SafetensorsTensors
 from rayexport.layouts.verl import ShardInfo, VerlCheckpoint, describe_tensor, load_rank_state, local_tensor
 from rayexport.plan import BASE_MODEL_RANK, Bucket, Piece, ShardFile, TensorPlan
@@ -75,6 +76,15 @@ class ExportWorker:
             infos[rank] = {key: describe_tensor(value, rank) for key, value in state.items()}
         return infos
 
+    def load_dcp(
+        self, source: Store, checkpoint: DcpCheckpoint, keys: list[str], unsafe_pickle: bool = False
+    ) -> dict[int, dict[str, ShardInfo]]:
+        """Read whole tensors of a DCP checkpoint, held as this worker's pseudo-rank."""
+        tensors = read_tensors(source, checkpoint, keys, self.spool_dir, unsafe_pickle=unsafe_pickle)
+        self.states[self.index] = tensors
+        self.bytes_read += sum(checkpoint.tensors[key].nbytes for key in keys)
+        return {self.index: {key: describe_tensor(value, self.index) for key, value in tensors.items()}}
+
     def load_base_model(self, base_model: Store) -> dict[str, ShardInfo]:
         """Exporter only: open a base model folder's weights as the pseudo-rank BASE_MODEL_RANK."""
         tensors = SafetensorsTensors(base_model, self.spool_dir)
@@ -87,7 +97,7 @@ class ExportWorker:
         for pair in pairs:
             worst = 0.0
             for rank, state in self.states.items():
-                if rank == BASE_MODEL_RANK:
+                if rank == BASE_MODEL_RANK or pair[0] not in state or pair[1] not in state:
                     continue
                 first, second = local_tensor(state[pair[0]]), local_tensor(state[pair[1]])
                 if first.shape != second.shape:

@@ -517,3 +517,11 @@ def test_assign_ranks_keeps_rank_zero_on_worker_zero(ranks, workers):
     assert all(0 <= worker < workers for worker in assignment.values())
     ordered = [assignment[rank] for rank in sorted(ranks)]
     assert ordered == sorted(ordered)  # contiguous blocks in rank order
+
+
+def test_keep_ties_together_moves_the_alias_to_its_canonical_worker():
+    from rayexport.plan import keep_ties_together
+
+    moved = keep_ties_together([[EMBED, "a"], [HEAD, "b"]], TIED)
+    assert moved == [[EMBED, "a", HEAD], ["b"]]
+    assert keep_ties_together([[EMBED, HEAD], ["b"]], TIED) == [[EMBED, HEAD], ["b"]]

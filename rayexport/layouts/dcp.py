@@ -11,8 +11,11 @@ requested chunks.
 from __future__ import annotations
 
 import heapq
+import io
 import math
 import os
+import pickle
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -23,13 +26,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from rayexport.dtypes import dtype_name
-from rayexport.errors import ExportError
+from rayexport.dtypes import dtype_name, dtype_of
+from rayexport.errors import ExportError, one_line
 from rayexport.storage import Store
 
 DCP_METADATA = ".metadata"
+_DISTCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 # Top-level names of the non-model state that training loops save beside the model.
 NON_MODEL_NAMES = frozenset({
@@ -59,6 +63,10 @@ class DcpCheckpoint:
     prefix: str  # stripped from stored keys to give model keys
     tensors: dict[str, DcpTensor]  # by model key
     skipped: list[str]  # stored keys that are not model tensors
+    world_size: int = 0  # ranks that saved it (from the .distcp file names)
+    has_hf_config: bool = False  # a huggingface/config.json beside it
+    lora_meta: dict | None = None
+    layout: str = "dcp"
 
 
 def is_dcp_checkpoint(store: Store) -> bool:
@@ -66,21 +74,26 @@ def is_dcp_checkpoint(store: Store) -> bool:
     return store.exists(DCP_METADATA)
 
 
-def find_dcp_checkpoint(store: Store, prefix: str | None = None) -> DcpCheckpoint:
+def find_dcp_checkpoint(store: Store, prefix: str | None = None, *, unsafe_pickle: bool = False) -> DcpCheckpoint:
     """Describe the model tensors of the DCP checkpoint at `store` from its `.metadata`.
 
     `prefix` is the part of the stored keys to strip to get model keys ("model.", "app.model.",
-    "" ...); by default it is detected from how the state dict was nested when saved. Optimizer,
+    "" ...; a missing final "." is added); by default it is detected from how the state dict was nested when saved. Optimizer,
     scheduler and other training state, and every non-tensor entry, go to `skipped`. Raises
     ExportError when `.metadata` is missing or unreadable, or no model tensor is found.
+
+    `.metadata` is a pickle: it is unpickled allowing only the classes DCP metadata is made of,
+    unless `unsafe_pickle`, which unpickles it as torch does, running any code it holds.
     """
-    metadata = _read_metadata(store)
+    metadata = _read_metadata(store, unsafe_pickle)
     entries = metadata.state_dict_metadata
     tensor_keys = [key for key, value in entries.items() if isinstance(value, TensorStorageMetadata)]
     if not tensor_keys:
         raise ExportError(f"DCP checkpoint '{store.uri}' holds no tensors")
     if prefix is None:
         prefix = _detect_prefix(tensor_keys, metadata.planner_data, store.uri)
+    elif prefix and not prefix.endswith("."):
+        prefix += "."
     tensors: dict[str, DcpTensor] = {}
     skipped = [key for key, value in entries.items() if not isinstance(value, TensorStorageMetadata)]
     for key in tensor_keys:
@@ -91,7 +104,12 @@ def find_dcp_checkpoint(store: Store, prefix: str | None = None) -> DcpCheckpoin
         tensors[model_key] = _describe(store, key, entries[key])
     if not tensors:
         raise ExportError(f"no model tensors under key prefix '{prefix}' in DCP checkpoint '{store.uri}'")
-    return DcpCheckpoint(uri=store.uri, prefix=prefix, tensors=tensors, skipped=sorted(skipped))
+    names = store.list()
+    ranks = {match.group(1) for match in map(_DISTCP_FILE.match, names) if match}
+    return DcpCheckpoint(
+        uri=store.uri, prefix=prefix, tensors=tensors, skipped=sorted(skipped), world_size=len(ranks),
+        has_hf_config="config.json" in store.list("huggingface"),
+    )
 
 
 def assign_tensors(checkpoint: DcpCheckpoint, num_workers: int) -> list[list[str]]:
@@ -111,32 +129,37 @@ def assign_tensors(checkpoint: DcpCheckpoint, num_workers: int) -> list[list[str
     return [sorted(keys) for keys in assigned]
 
 
-def read_tensors(store: Store, checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> dict[str, torch.Tensor]:
+def read_tensors(
+    store: Store, checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str, *, unsafe_pickle: bool = False
+) -> dict[str, torch.Tensor]:
     """Read the whole tensors `keys` (model keys) in this process, keyed by model key.
 
     `torch.distributed.checkpoint.load` runs without a process group and reads only the chunks
     of these tensors, from local files or, for a remote store, by byte ranges through torch's
-    fsspec reader, so nothing is spooled and `spool_dir` stays unused.
+    fsspec reader. So nothing is spooled and `spool_dir` is unused: every FSDP rank file holds a
+    slice of every tensor, so spooling files would copy the whole checkpoint to each worker.
+    Tensor data is loaded with torch's weights-only unpickler; `unsafe_pickle` is
+    `find_dcp_checkpoint`'s, for `.metadata`.
     """
-    del spool_dir  # ranged reads make spooling whole rank files (each holding a slice of every tensor) needless
     unknown = [key for key in keys if key not in checkpoint.tensors]
     if unknown:
         raise ExportError(f"no tensor '{unknown[0]}' in DCP checkpoint '{store.uri}'")
     if not keys:
         return {}
-    metadata = _read_metadata(store)
+    metadata = _read_metadata(store, unsafe_pickle)
     state: dict[str, torch.Tensor] = {}
     for key in keys:
         expected = checkpoint.tensors[key]
         entry = metadata.state_dict_metadata.get(expected.key)
         if not isinstance(entry, TensorStorageMetadata) or _describe(store, expected.key, entry) != expected:
             raise ExportError(f"tensor '{expected.key}' of DCP checkpoint '{store.uri}' changed since it was listed")
-        state[expected.key] = torch.empty(expected.shape, dtype=getattr(torch, expected.dtype))
+        state[expected.key] = torch.empty(expected.shape, dtype=dtype_of(expected.dtype))
     try:
         with warnings.catch_warnings():
             # load() warns that it assumes a single process when no process group exists: intended.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=_reader(store, metadata), planner=DefaultLoadPlanner(), no_dist=True)
+            reader = _reader(store, metadata)
+            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - torch and storage clients raise many types
         error = _unwrap(error)
         if isinstance(error, FileNotFoundError):
@@ -146,45 +169,96 @@ def read_tensors(store: Store, checkpoint: DcpCheckpoint, keys: list[str], spool
     return {key: state[checkpoint.tensors[key].key] for key in keys}
 
 
-def _reader(store: Store, metadata: Metadata | None = None):
+def _reader(store: Store, metadata: Metadata | None = None, unsafe_pickle: bool = False):
     """torch's storage reader for `store`: plain files when local, fsspec otherwise.
 
     Given `metadata`, the reader hands it to `load` instead of fetching `.metadata` again.
     """
     if store.is_local:
-        reader = _KnownMetadataFileReader(store.path())
+        reader = _CheckedFileSystemReader(store.path())
     else:
         protocol = fsspec.core.split_protocol(store.uri)[0]
         # The same options the Store opened its filesystem with, so fsspec reuses that instance.
         options = store.options if protocol in ("s3", "s3a") else {}
-        reader = _KnownMetadataFsspecReader(store.uri, **options)
+        reader = _CheckedFsspecReader(store.uri, **options)
     reader.known_metadata = metadata
+    reader.unsafe_pickle = unsafe_pickle
     return reader
 
 
-class _KnownMetadata:
+class _CheckedMetadataReading:
+    """torch's reader, but `.metadata` is read once and unpickled with an allow-list: torch's
+    own `read_metadata` is a bare `pickle.load`, which runs whatever code the file holds."""
+
     known_metadata: Metadata | None = None
+    unsafe_pickle: bool = False
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if self.known_metadata is not None:
             return self.known_metadata
-        return super().read_metadata(*args, **kwargs)
+        if self.unsafe_pickle:
+            return super().read_metadata(*args, **kwargs)
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
-class _KnownMetadataFileReader(_KnownMetadata, FileSystemReader):
+class _CheckedFileSystemReader(_CheckedMetadataReading, FileSystemReader):
     pass
 
 
-class _KnownMetadataFsspecReader(_KnownMetadata, FsspecReader):
+class _CheckedFsspecReader(_CheckedMetadataReading, FsspecReader):
     pass
 
 
-def _read_metadata(store: Store) -> Metadata:
+class _RefusedGlobal(Exception):
+    pass
+
+
+# Everything a `.metadata` written by torch's save planners refers to by name.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # where TensorProperties lived in checkpoints from older torch
+    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+# storage_meta.checkpoint_id is the writer's Path; a concrete Path of the other OS cannot be
+# created here, and only its text matters.
+_PURE_PATHS = {"Path": "PurePath", "PosixPath": "PurePosixPath", "WindowsPath": "PureWindowsPath"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "pathlib" and name in _PURE_PATHS:
+            name = _PURE_PATHS[name]
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _RefusedGlobal(f"{module}.{name}")
+
+
+def _read_metadata(store: Store, unsafe_pickle: bool = False) -> Metadata:
     where = store.display(DCP_METADATA)
     try:
-        metadata = _reader(store).read_metadata()
+        metadata = _reader(store, unsafe_pickle=unsafe_pickle).read_metadata()
     except FileNotFoundError:
         raise ExportError(f"no DCP metadata file '{where}'") from None
+    except _RefusedGlobal as refused:
+        raise ExportError(
+            f"DCP metadata '{where}' refers to '{refused}', which DCP metadata never needs; "
+            "refusing to unpickle it (unsafe pickle loading runs such code: only for trusted checkpoints)"
+        ) from None
     except Exception as error:  # noqa: BLE001 - unpickling a damaged file raises many types
         raise ExportError(f"DCP metadata '{where}' cannot be read: {_reason(error)}") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
@@ -196,8 +270,10 @@ def _describe(store: Store, key: str, entry: TensorStorageMetadata) -> DcpTensor
     shape = tuple(int(size) for size in entry.size)
     numel = math.prod(shape)
     # load() leaves any part of a tensor that no chunk covers uninitialised, so check coverage
-    # here; DCP de-duplicates replicated chunks, so chunk volumes add up to the tensor's.
-    covered = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+    # here. Saved chunks do not overlap (replicas of one shard share offsets and are stored once),
+    # so the volumes of the distinct chunks add up to the tensor's.
+    distinct = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in entry.chunks}
+    covered = sum(math.prod(sizes) for _, sizes in distinct)
     if covered != numel:
         raise ExportError(
             f"chunks of '{key}' in DCP checkpoint '{store.uri}' cover {covered} of {numel} elements"
@@ -214,45 +290,51 @@ def _detect_prefix(tensor_keys: list[str], planner_data, uri: str) -> str:
     records each key's original path in `planner_data`, which settles it. Without it, the keys
     alone decide.
     """
+    recorded = planner_data if isinstance(planner_data, dict) else {}
+    guessed = None
     paths = []
     for key in tensor_keys:
-        path = planner_data.get(key) if isinstance(planner_data, dict) else None
+        path = recorded.get(key)
         if path is None or ".".join(map(str, path)) != key:
-            path = _guess_path(key, tensor_keys)
-        if not any(str(part).split(".")[0] in NON_MODEL_NAMES for part in path[:-1]) and (
-            len(path) > 1 or _first_name(key) not in NON_MODEL_NAMES
-        ):
-            paths.append(tuple(str(part) for part in path))
+            guessed = guessed or _guess_paths(tensor_keys)
+            path = guessed[key]
+        path = tuple(str(part) for part in path)
+        containers = path[:-1] if len(path) > 1 else (_first_name(key),)
+        if not any(_first_name(part) in NON_MODEL_NAMES for part in containers):
+            paths.append(path)
     if not paths:
         raise ExportError(f"DCP checkpoint '{uri}' holds no model tensors, only training state")
     for prefix in MODEL_PREFIXES:
         container = tuple(prefix.split(".")[:-1])
-        if prefix == "" and any(len(path) == 1 for path in paths):
+        if container and any(len(path) > len(container) and path[: len(container)] == container for path in paths):
             return prefix
-        if prefix and any(len(path) > len(container) and path[: len(container)] == container for path in paths):
+        if not container and any(len(path) == 1 for path in paths):
             return prefix
     roots = sorted({path[0] for path in paths if len(path) > 1})
     if len(roots) == 1:
         return roots[0] + "."
-    found = ", ".join(f"'{root}.'" for root in roots) or "none"
+    found = ", ".join(f"'{root}.'" for root in roots)
     raise ExportError(f"cannot tell which state dict is the model in DCP checkpoint '{uri}' (prefixes: {found})")
 
 
-def _guess_path(key: str, all_keys: list[str]) -> tuple[str, ...]:
-    """A key's original nesting when `planner_data` does not record it."""
-    for prefix in ("app.model.", "state_dict."):
-        if key.startswith(prefix):
-            return (*prefix.split(".")[:-1], key[len(prefix):])
-    if _first_name(key) in NON_MODEL_NAMES:
-        return (_first_name(key), key.split(".", 1)[-1])
-    model_keys = [other for other in all_keys if _first_name(other) not in NON_MODEL_NAMES]
+def _guess_paths(keys: list[str]) -> dict[str, tuple[str, ...]]:
+    """Each key's original nesting, guessed from the keys alone (no `planner_data`)."""
+    model_keys = [key for key in keys if _first_name(key) not in NON_MODEL_NAMES]
     # Flat Hugging Face keys often all start with "model." too; only a doubled "model.model."
-    # (or a bare "model.lm_head.") shows a nested {"model": state_dict}.
-    if all(other.startswith("model.") for other in model_keys) and any(
-        other.startswith(("model.model.", "model.lm_head.")) for other in model_keys
-    ):
-        return ("model", key[len("model."):])
-    return (key,)
+    # (or "model.lm_head.") shows a nested {"model": state_dict}.
+    nested_model = all(key.startswith("model.") for key in model_keys) and any(
+        key.startswith(("model.model.", "model.lm_head.")) for key in model_keys
+    )
+    paths = {}
+    for key in keys:
+        for prefix in ("app.model.", "state_dict.") + (("model.",) if nested_model else ()):
+            if key.startswith(prefix):
+                paths[key] = (*prefix.split(".")[:-1], key[len(prefix):])
+                break
+        else:
+            first, _, rest = key.partition(".")
+            paths[key] = (first, rest) if first in NON_MODEL_NAMES and rest else (key,)
+    return paths
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -270,5 +352,5 @@ def _first_name(key: str) -> str:
 
 
 def _reason(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    text = one_line(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

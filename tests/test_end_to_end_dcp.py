@@ -1,0 +1,82 @@
+"""PyTorch DCP checkpoints (FSDP2 gloo ranks, world size 3) through the CLI, S3 to S3, with 2
+workers: one plan, two readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from dcp_writer import DcpJob, write_dcp_checkpoints
+from helpers import download, reload, run_cli, s3_exists, upload
+
+pytestmark = pytest.mark.usefixtures("ray_address")
+
+
+@pytest.fixture(scope="module")
+def dcp_checkpoints(tmp_path_factory, s3_endpoint):
+    from rayexport.demo import tiny_config
+
+    root = tmp_path_factory.mktemp("dcp")
+    jobs = {
+        "tied": DcpJob(tiny_config("qwen2-tied"), str(root / "tied"), prefix="model.", with_optimizer=True),
+        "untied": DcpJob(tiny_config("llama-untied"), str(root / "untied"), prefix=""),
+    }
+    written = write_dcp_checkpoints(list(jobs.values()), world_size=3)
+    return {
+        name: {"local": job.out_dir, "uri": upload(job.out_dir, f"s3://rayexport-tests/dcp/{name}"), "logits": logits}
+        for (name, job), (logits, _) in zip(jobs.items(), written)
+    }
+
+
+@pytest.mark.parametrize("name", ["tied", "untied"])
+def test_dcp_export_matches_the_original(dcp_checkpoints, s3_prefix, tmp_path, name):
+    checkpoint = dcp_checkpoints[name]
+    completed = run_cli("--src", checkpoint["uri"], "--dst", s3_prefix, "--workers", "2", "--report", "-",
+                        *(["--verify", "none"] if name == "untied" else []))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(completed.stdout[completed.stdout.index("{"):])
+    assert report["layout"] == "dcp" and report["workers"] == 2 and report["world_size"] == 3
+    if name == "tied":
+        assert report["skipped"] and all(key.startswith("optim") for key in report["skipped"])
+    local = download(s3_prefix, str(tmp_path / "export"))
+    reloaded = reload(local)
+    torch.testing.assert_close(reloaded["logits"], checkpoint["logits"], rtol=1e-5, atol=1e-6)
+    assert reloaded["shared"] is (name == "tied")
+
+
+def test_config_from_hf_config_when_the_prefix_has_none(dcp_checkpoints, s3_prefix, tmp_path):
+    source = shutil.copytree(dcp_checkpoints["untied"]["local"], tmp_path / "ckpt")
+    shutil.move(source / "huggingface", tmp_path / "hf")
+    src = upload(str(source), f"{s3_prefix}-src")
+    refused = run_cli("--src", src, "--dst", s3_prefix)
+    assert refused.returncode == 1 and "--hf-config" in refused.stderr
+    hf = upload(str(tmp_path / "hf"), f"{s3_prefix}-hf")
+    completed = run_cli("--src", src, "--dst", s3_prefix, "--hf-config", hf, "--verify", "quick")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert s3_exists(f"{s3_prefix}/export_manifest.json") and s3_exists(f"{s3_prefix}/tokenizer.json")
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda folder: os.remove(folder / ".metadata"), ".metadata"),
+    (lambda folder: (folder / ".metadata").write_bytes((folder / ".metadata").read_bytes()[:100]), ".metadata"),
+], ids=["metadata-missing", "metadata-truncated"])
+def test_broken_metadata(dcp_checkpoints, tmp_path, damage, fragment):
+    source = shutil.copytree(dcp_checkpoints["untied"]["local"], tmp_path / "ckpt")
+    damage(source)
+    completed = run_cli("--src", str(source), "--dst", str(tmp_path / "out"))
+    assert completed.returncode == 1 and fragment in completed.stderr, completed.stderr[-2000:]
+    assert not (tmp_path / "out" / "export_manifest.json").exists()
+
+
+def test_dcp_keys_that_do_not_match_the_config(dcp_checkpoints, tmp_path):
+    source = shutil.copytree(dcp_checkpoints["untied"]["local"], tmp_path / "ckpt")
+    shutil.rmtree(source / "huggingface")
+    shutil.copytree(dcp_checkpoints["tied"]["local"] + "/huggingface", source / "huggingface")
+    completed = run_cli("--src", str(source), "--dst", str(tmp_path / "out"), "--layout", "dcp")
+    assert completed.returncode == 1
+    assert "rayexport: error:" in completed.stderr and "config" in completed.stderr.splitlines()[-1]
+    assert not (tmp_path / "out" / "export_manifest.json").exists()

@@ -1,0 +1,255 @@
+"""The DCP layout against real `torch.distributed.checkpoint.save` output of FSDP2 gloo ranks:
+metadata, model-prefix detection, work assignment, and reading tensors locally and from S3."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import shutil
+import uuid
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from dcp_writer import DcpJob, write_dcp_checkpoints
+from helpers import BUCKET, upload
+from rayexport.errors import ExportError
+from rayexport.layouts.dcp import (
+    DCP_METADATA,
+    assign_tensors,
+    find_dcp_checkpoint,
+    is_dcp_checkpoint,
+    read_tensors,
+)
+from rayexport.storage import Store
+
+# name -> (tiny config, prefix, with optimizer)
+VARIANTS = {
+    "tied": ("qwen2-tied", "model.", True),
+    "flat": ("llama-untied", "", False),
+    "app": ("llama-untied", "app.model.", True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    path: str
+    prefix: str
+    with_optimizer: bool
+    reference: dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> dict[str, Written]:
+    """One DCP checkpoint per variant, all saved by one set of 3 FSDP2 gloo ranks."""
+    from rayexport.demo import tiny_config
+
+    root = tmp_path_factory.mktemp("dcp")
+    jobs = [
+        DcpJob(tiny_config(kind), str(root / name), prefix, with_optimizer)
+        for name, (kind, prefix, with_optimizer) in VARIANTS.items()
+    ]
+    results = write_dcp_checkpoints(jobs, world_size=3)
+    return {
+        name: Written(job.out_dir, job.prefix, job.with_optimizer, reference)
+        for (name, job), (_, reference) in zip(zip(VARIANTS, jobs), results)
+    }
+
+
+def stored_entries(path: str) -> dict:
+    return FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def copy_checkpoint(source: str, destination) -> str:
+    shutil.copytree(source, destination, ignore=shutil.ignore_patterns("huggingface"))
+    return str(destination)
+
+
+def assert_one_line_naming(error: pytest.ExceptionInfo, uri: str) -> None:
+    message = str(error.value)
+    assert uri in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_metadata_gives_global_shapes_and_dtypes(written, name):
+    checkpoint = find_dcp_checkpoint(Store(written[name].path))
+    reference = written[name].reference
+    assert set(checkpoint.tensors) == set(reference)
+    for key, tensor in checkpoint.tensors.items():
+        assert tensor.key == written[name].prefix + key
+        assert tensor.shape == tuple(reference[key].shape), key
+        assert tensor.dtype == "float32"
+        assert tensor.nbytes == reference[key].nbytes
+
+
+def test_rank_files_hold_uneven_fsdp2_shards(written):
+    """World size 3 over a 1000-row embedding: FSDP2 pads to 334-row shards, and DCP records
+    the unpadded chunks each rank really holds."""
+    entry = stored_entries(written["flat"].path)["model.embed_tokens.weight"]
+    chunks = sorted((tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in entry.chunks)
+    assert chunks == [((0, 0), (334, 32)), ((334, 0), (334, 32)), ((668, 0), (332, 32))]
+    assert sorted(name for name in os.listdir(written["flat"].path) if name.endswith(".distcp")) == [
+        "__0_0.distcp", "__1_0.distcp", "__2_0.distcp",
+    ]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_prefix_is_detected_and_training_state_skipped(written, name):
+    store = Store(written[name].path)
+    assert is_dcp_checkpoint(store)
+    checkpoint = find_dcp_checkpoint(store)
+    assert checkpoint.prefix == written[name].prefix
+    assert checkpoint.uri == store.uri
+    entries = stored_entries(written[name].path)
+    model_keys = sorted(tensor.key for tensor in checkpoint.tensors.values())
+    assert sorted(model_keys + checkpoint.skipped) == sorted(entries)  # each stored key exactly once
+    if written[name].with_optimizer:
+        optimizer_root = written[name].prefix.replace("model.", "optim.")
+        assert checkpoint.skipped and all(key.startswith(optimizer_root) for key in checkpoint.skipped)
+        assert optimizer_root + "state.model.norm.weight.exp_avg" in checkpoint.skipped
+        assert optimizer_root + "state.model.norm.weight.step" in checkpoint.skipped  # a 0-dim tensor
+        assert optimizer_root + "param_groups.0.lr" in checkpoint.skipped  # not a tensor
+    else:
+        assert checkpoint.skipped == []
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_prefix_is_detected_from_keys_when_metadata_lacks_planner_data(written, name, tmp_path):
+    """Checkpoints saved without the default planner's key paths: the keys alone decide."""
+    metadata = FileSystemReader(written[name].path).read_metadata()
+    assert metadata.planner_data  # what the default planner records, and this test removes
+    with open(tmp_path / DCP_METADATA, "wb") as handle:
+        pickle.dump(dataclasses.replace(metadata, planner_data=None), handle)
+    checkpoint = find_dcp_checkpoint(Store(str(tmp_path)))
+    assert checkpoint.prefix == written[name].prefix
+    assert set(checkpoint.tensors) == set(written[name].reference)
+
+
+def test_explicit_prefix_overrides_detection(written):
+    store = Store(written["tied"].path)
+    assert find_dcp_checkpoint(store, prefix="model.") == find_dcp_checkpoint(store)
+    as_stored = find_dcp_checkpoint(store, prefix="")
+    assert set(as_stored.tensors) == {"model." + key for key in written["tied"].reference}
+    assert all(key.startswith("optim.") for key in as_stored.skipped)
+
+
+@pytest.mark.parametrize("name", ["tied", "flat"])
+def test_assign_tensors_covers_every_key_once_balanced(written, name):
+    checkpoint = find_dcp_checkpoint(Store(written[name].path))
+    largest = max(tensor.nbytes for tensor in checkpoint.tensors.values())
+    for workers in (1, 2, 3, 5, len(checkpoint.tensors) + 3):
+        assigned = assign_tensors(checkpoint, workers)
+        assert len(assigned) == workers
+        flat = [key for keys in assigned for key in keys]
+        assert sorted(flat) == sorted(checkpoint.tensors) and len(set(flat)) == len(flat)
+        loads = [sum(checkpoint.tensors[key].nbytes for key in keys) for keys in assigned]
+        # largest-first greedy never leaves two workers further apart than one tensor
+        assert max(loads) - min(loads) <= largest, loads
+        assert assign_tensors(checkpoint, workers) == assigned
+    # the two largest tensors (embedding and head, tied or not both stored) never share a worker
+    first, second = assign_tensors(checkpoint, 2)
+    assert ("model.embed_tokens.weight" in first) != ("lm_head.weight" in first)
+    with pytest.raises(ValueError):
+        assign_tensors(checkpoint, 0)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_read_tensors_returns_exactly_the_requested_tensors(written, name, tmp_path):
+    store = Store(written[name].path)
+    checkpoint = find_dcp_checkpoint(store)
+    reference = written[name].reference
+    seen = set()
+    for keys in assign_tensors(checkpoint, 3):
+        tensors = read_tensors(store, checkpoint, keys, str(tmp_path))
+        assert sorted(tensors) == sorted(keys)
+        for key, tensor in tensors.items():
+            assert tensor.dtype == reference[key].dtype and torch.equal(tensor, reference[key]), key
+        seen.update(tensors)
+    assert seen == set(reference)
+    assert read_tensors(store, checkpoint, [], str(tmp_path)) == {}
+
+
+def test_read_tensors_from_s3(written, s3_endpoint, tmp_path):
+    root = f"s3://{BUCKET}/dcp-{uuid.uuid4().hex[:8]}"
+    for name in ("tied", "flat"):
+        uri = upload(written[name].path, f"{root}/{name}")
+        store = Store(uri, {"endpoint_url": s3_endpoint})
+        assert not store.is_local and is_dcp_checkpoint(store)
+        checkpoint = find_dcp_checkpoint(store)
+        local = find_dcp_checkpoint(Store(written[name].path))
+        assert (checkpoint.prefix, checkpoint.tensors, checkpoint.skipped) == (local.prefix, local.tensors, local.skipped)
+        keys = ["model.norm.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"]
+        tensors = read_tensors(store, checkpoint, keys, str(tmp_path))
+        assert sorted(tensors) == sorted(keys)
+        for key in keys:
+            assert torch.equal(tensors[key], written[name].reference[key]), key
+    assert os.listdir(tmp_path) == []
+    missing = Store(f"{root}/absent", {"endpoint_url": s3_endpoint})
+    assert not is_dcp_checkpoint(missing)
+    with pytest.raises(ExportError) as error:
+        find_dcp_checkpoint(missing)
+    assert_one_line_naming(error, missing.uri)
+
+
+def test_missing_metadata_is_an_export_error(written, tmp_path):
+    folder = copy_checkpoint(written["flat"].path, tmp_path / "ckpt")
+    os.remove(os.path.join(folder, DCP_METADATA))
+    store = Store(folder)
+    assert not is_dcp_checkpoint(store)
+    with pytest.raises(ExportError, match="no DCP metadata") as error:
+        find_dcp_checkpoint(store)
+    assert_one_line_naming(error, folder)
+
+
+@pytest.mark.parametrize("keep", [0, 1000])
+def test_truncated_metadata_is_an_export_error(written, tmp_path, keep):
+    folder = copy_checkpoint(written["tied"].path, tmp_path / "ckpt")
+    with open(os.path.join(folder, DCP_METADATA), "r+b") as handle:
+        handle.truncate(keep)
+    with pytest.raises(ExportError, match="cannot be read") as error:
+        find_dcp_checkpoint(Store(folder))
+    assert_one_line_naming(error, folder)
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_metadata_pickle_is_refused_unless_unsafe_pickle(written, tmp_path):
+    """torch's own reader would run a `.metadata` pickle's code; only DCP's classes are allowed."""
+    folder = copy_checkpoint(written["flat"].path, tmp_path / "ckpt")
+    marker = tmp_path / "code-ran"
+    with open(os.path.join(folder, DCP_METADATA), "wb") as handle:
+        pickle.dump(_Payload(str(marker)), handle)
+    with pytest.raises(ExportError, match="refusing to unpickle") as error:
+        find_dcp_checkpoint(Store(folder))
+    assert_one_line_naming(error, folder)
+    assert not marker.exists()
+    trusted = Store(written["tied"].path)
+    assert find_dcp_checkpoint(trusted, unsafe_pickle=True) == find_dcp_checkpoint(trusted)
+
+
+def test_prefix_without_tensors_is_an_export_error(written):
+    store = Store(written["app"].path)
+    with pytest.raises(ExportError, match="no model tensors") as error:
+        find_dcp_checkpoint(store, prefix="model.")
+    assert_one_line_naming(error, store.uri)
+
+
+def test_missing_rank_file_or_unknown_key_is_an_export_error(written, tmp_path):
+    folder = copy_checkpoint(written["flat"].path, tmp_path / "ckpt")
+    store = Store(folder)
+    checkpoint = find_dcp_checkpoint(store)
+    os.remove(os.path.join(folder, "__1_0.distcp"))
+    with pytest.raises(ExportError, match="__1_0.distcp") as error:
+        read_tensors(store, checkpoint, ["lm_head.weight"], str(tmp_path))
+    assert_one_line_naming(error, folder)
+    with pytest.raises(ExportError, match="no tensor 'optim.state'") as error:
+        read_tensors(store, checkpoint, ["optim.state"], str(tmp_path))
+    assert_one_line_naming(error, folder)
