@@ -21,6 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dst", help="where the Hugging Face model is written")
     parser.add_argument("--demo", action="store_true", help="export a tiny embedded FSDP2 checkpoint")
     parser.add_argument("--cleanup", metavar="DST", help="abort unfinished multipart uploads under DST, then exit")
+    parser.add_argument("--watch", metavar="PREFIX", help="export every checkpoint under PREFIX not yet exported")
+    parser.add_argument("--pattern", default="global_step_*/actor", help="--watch: checkpoint glob under PREFIX")
+    parser.add_argument("--dst-template", help="--watch: destination with {step} and/or {name}")
+    parser.add_argument("--once", action="store_true", help="--watch: one pass, then exit (for cron)")
+    parser.add_argument("--interval", type=float, default=600.0, help="--watch: seconds between passes")
+    parser.add_argument("--settle", type=float, default=5.0,
+                        help="--watch: a checkpoint's files must not change for this many seconds")
     parser.add_argument("--layout", choices=LAYOUTS, default="auto",
                         help="verl rank files or a PyTorch DCP directory (auto: from the files present)")
     parser.add_argument("--hf-config", metavar="URI", help="HF folder with config.json/tokenizer when SRC has no huggingface/")
@@ -57,21 +64,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OPTION_NAMES = (
+    "workers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
+    "trust_remote_code", "verify", "force", "timeout_s", "num_cpus_per_worker", "num_gpus_per_worker", "log_level",
+    "lora", "base_model", "lora_alpha", "lora_rslora", "untie", "strict", "unsafe_pickle",
+    "layout", "hf_config", "dcp_prefix",
+)
+
+
+def options_from(args: argparse.Namespace) -> dict:
+    """The ExportOptions fields the command line set."""
+    return {name: getattr(args, name) for name in OPTION_NAMES}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     if args.cleanup:
         return cleanup(args.cleanup, args.storage_options)
+    if args.watch:
+        if not args.dst_template:
+            parser.error("--watch needs --dst-template")
+        return watch_command(args, options_from(args))
     if not args.demo and not (args.src and args.dst):
         parser.error("--src and --dst are required (or --demo, or --cleanup DST)")
-    option_names = (
-        "workers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
-        "trust_remote_code", "verify", "force", "timeout_s", "num_cpus_per_worker", "num_gpus_per_worker", "log_level",
-        "lora", "base_model", "lora_alpha", "lora_rslora", "untie", "strict", "unsafe_pickle",
-        "layout", "hf_config", "dcp_prefix",
-    )
-    options = {name: getattr(args, name) for name in option_names}
+    options = options_from(args)
     try:
         if args.demo:
             from rayexport.demo import run_demo
@@ -99,6 +117,24 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.report, "w") as handle:
             handle.write(report.to_json())
     return 0
+
+
+def watch_command(args: argparse.Namespace, options: dict) -> int:
+    """`--watch PREFIX`: one pass with --once (exit 1 if an export failed), else poll."""
+    from rayexport.storage import storage_options_from_env
+    from rayexport.watch import watch, watch_once
+
+    storage_options = storage_options_from_env(options.pop("storage_options"))
+    try:
+        if not args.once:
+            watch(args.watch, args.pattern, args.dst_template, options, storage_options, args.interval, args.settle)
+        results = watch_once(args.watch, args.pattern, args.dst_template, options, storage_options, args.settle)
+    except ExportError as error:
+        print(f"rayexport: error: {one_line(error)}", file=sys.stderr)
+        return 1
+    for result in results:
+        print(f"{result['status']}: {result['source']} -> {result['destination']}")
+    return 1 if any(result["status"] == "failed" for result in results) else 0
 
 
 def cleanup(uri: str, storage_options: dict) -> int:
