@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Iterable
 
 import pytest
 import yaml
@@ -144,7 +145,6 @@ def test_export_commands_use_existing_flags():
     check_against_parser([(where, command) for where, command in all_commands() if not is_watcher(command)])
 
 
-@pytest.mark.xfail(strict=False, reason="watcher not built yet")
 def test_watcher_commands_use_existing_flags():
     check_against_parser([(where, command) for where, command in all_commands() if is_watcher(command)])
 
@@ -184,7 +184,7 @@ def test_runtime_envs_agree():
 # --- Kubernetes manifests -----------------------------------------------------------------------
 
 
-def _env_entries(containers: list[dict]) -> list[dict]:
+def _env_entries(containers: Iterable[dict]) -> list[dict]:
     return [entry for container in containers for entry in container.get("env", [])]
 
 
@@ -357,7 +357,7 @@ def _job_status(api: str, token: str, job_id: str) -> str:
         return json.load(response)["status"]
 
 
-def test_local_up_and_down():
+def test_local_up_and_down(monkeypatch):
     """infra/local-up.sh starts a Ray head (token auth) and moto on 127.0.0.1; a job submitted
     with the printed variables runs; without RAY_AUTH_MODE the same client is refused;
     infra/local-down.sh, run while that job still runs, leaves no process of the stack behind."""
@@ -367,6 +367,8 @@ def test_local_up_and_down():
             pytest.skip(f"{tool} is not installed")
     if not shutil.which("setsid"):
         pytest.skip("setsid is not installed")
+    for variable in ("NO_PROXY", "no_proxy"):  # loopback requests from this test skip any proxy
+        monkeypatch.setenv(variable, ",".join(filter(None, ["127.0.0.1,localhost", os.environ.get(variable)])))
     started = time.monotonic()
     state_dir = tempfile.mkdtemp(prefix="rxl-", dir="/tmp" if os.path.isdir("/tmp") else None)
     base_env = {
