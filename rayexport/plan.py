@@ -198,7 +198,7 @@ class LoraRequest:
 
 @dataclass
 class TensorPlanning:
-    """Everything `plan_tensors` decides."""
+    """Everything `plan_holdings` decides."""
 
     tensors: list[TensorPlan]
     adapters: list[TensorPlan]
@@ -206,28 +206,6 @@ class TensorPlanning:
     tied_key_pairs: list[tuple[str, str]]
     lora: LoraSettings | None = None
     lora_targets: list[LoraTarget] = field(default_factory=list)
-
-
-def plan_tensors(
-    rank_infos: dict[int, dict[str, ShardInfo]],
-    expected: dict[str, tuple[tuple[int, ...], str]],
-    aliases: dict[str, str],
-    requested_dtype: str,
-    config_dtype: str | None,
-    lora: LoraRequest | None = None,
-    base_model: dict[str, ShardInfo] | None = None,
-) -> TensorPlanning:
-    """Match the rank files' keys to the model's names and plan how each tensor is assembled.
-
-    `expected` maps every state-dict name of the config's model (aliases included) to its shape
-    and dtype; `aliases` maps tied alias names to their canonical names. PEFT names are mapped
-    to the base model's, and LoRA adapters merged or planned as adapter tensors per `lora`.
-    `base_model` describes the tensors of a base model folder, used for names the rank files
-    lack (LoRA-only checkpoints); the exporter reads those itself as `BASE_MODEL_RANK`.
-    """
-    return plan_holdings(
-        holders_from_ranks(rank_infos), expected, aliases, requested_dtype, config_dtype, lora, base_model
-    )
 
 
 def holders_from_ranks(rank_infos: dict[int, dict[str, ShardInfo]]) -> dict[str, dict[int, ShardInfo]]:
@@ -246,8 +224,16 @@ def plan_holdings(
     lora: LoraRequest | None = None,
     base_model: dict[str, ShardInfo] | None = None,
 ) -> TensorPlanning:
-    """`plan_tensors` for any layout: `holders` maps each source key to the (pseudo-)ranks that
-    hold part of it (a DCP checkpoint read as whole tensors: one holder per key)."""
+    """Match the checkpoint's keys to the model's names and plan how each tensor is assembled.
+
+    `holders` maps each source key to the (pseudo-)ranks holding part of it: every rank file of
+    a verl checkpoint (`holders_from_ranks`), or the one worker that read a whole DCP tensor.
+    `expected` maps every state-dict name of the config's model (aliases included) to its shape
+    and dtype; `aliases` maps tied alias names to their canonical names. PEFT names are mapped
+    to the base model's, and LoRA adapters merged or planned as adapter tensors per `lora`.
+    `base_model` describes the tensors of a base model folder, used for names the checkpoint
+    lacks (LoRA-only checkpoints); the exporter reads those itself as `BASE_MODEL_RANK`.
+    """
     lora = lora or LoraRequest()
     source_key_of: dict[str, str] = {}
     for key in holders:

@@ -21,9 +21,17 @@ from rayexport.plan import (
     packed_offsets,
     plan_buckets,
     plan_shard_files,
-    plan_tensors,
+    holders_from_ranks,
+    plan_holdings,
     shard_extent,
 )
+
+
+
+def plan_tensors(rank_infos, *args, **kwargs):
+    """Planning for rank files, as the exporter does it for a verl checkpoint."""
+    return plan_holdings(holders_from_ranks(rank_infos), *args, **kwargs)
+
 
 EMBED, HEAD, NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
 TIED = {HEAD: EMBED}
