@@ -4,7 +4,9 @@ import torch
 import torch.multiprocessing as multiprocessing
 
 from rayexport.layouts.verl import ShardInfo
-from rayexport.plan import Piece, TensorPlan, assign_ranks, packed_offsets, plan_buckets, plan_tensors
+from rayexport.plan import (
+    Piece, TensorPlan, assign_ranks, holders_from_ranks, packed_offsets, plan_buckets, plan_holdings,
+)
 from rayexport.transport import assemble, gather_tensors, pack, unpack
 
 CPU = torch.device("cpu")
@@ -122,7 +124,7 @@ def gather_case():
 def gather_plan():
     full, infos = gather_case()
     expected = {name: (tuple(tensor.shape), "") for name, tensor in full.items()}
-    plans = plan_tensors(infos, expected, {}, "auto", None).tensors
+    plans = plan_holdings(holders_from_ranks(infos), expected, {}, "auto", None).tensors
     buckets = plan_buckets(plans, assign_ranks(list(range(WORLD)), WORLD), WORLD, bucket_size=40)
     return full, {plan.name: plan for plan in plans}, buckets
 
