@@ -73,7 +73,7 @@ class ExportReport:
             f"safetensors file(s), {written / 1e6:.1f} MB, {self.workers} worker(s) over {self.backend}",
             "  stages: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.seconds.items())
             + f" (total {total:.1f}s)",
-            f"  peak memory per actor: "
+            "  peak memory per actor: "
             + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in self.peak_rss_bytes.items()),
             f"  verified ({self.verification.get('level')}): " + ", ".join(self.verification.get("checks", {}))
             if self.verification.get("passed") else "  verification skipped (--verify none)",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from rayexport.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_ORDER, dtype_of, nbytes

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import download, reload, reload_in_fresh_process, run_cli, s3_exists
+from helpers import download, reload, reload_in_fresh_process, run_cli
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 

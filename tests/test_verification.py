@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 
 import pytest
 from safetensors.torch import load_file, save_file
