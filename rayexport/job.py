@@ -134,35 +134,15 @@ def run_export(options: ExportOptions) -> ExportReport:
         with _stage(seconds, "start_workers"):
             group.start()
         with _stage(seconds, "load"):
-            if isinstance(checkpoint, DcpCheckpoint):
-                assignment = keep_ties_together(assign_tensors(checkpoint, num_workers), model["aliases"])
-                rank_infos = group.load_dcp(source, checkpoint, assignment)
-                worker_of_rank = {worker: worker for worker in range(num_workers)}
-                holders = {key: {rank: infos[key]} for rank, infos in rank_infos.items() for key in infos}
-            else:
-                rank_infos = group.load(source, checkpoint, {0: [0]})
-                ranks = needed_ranks(rank_infos[0], checkpoint.world_size)
-                worker_of_rank = assign_ranks(ranks, num_workers)
-                rest: dict[int, list[int]] = {}
-                for rank in ranks[1:]:
-                    rest.setdefault(worker_of_rank[rank], []).append(rank)
-                rank_infos.update(group.load(source, checkpoint, rest))
-                holders = holders_from_ranks(rank_infos)
-            worker_of_rank[BASE_MODEL_RANK] = 0
+            rank_infos, holders, worker_of_rank = group.load_checkpoint(source, checkpoint, model["aliases"])
             base_infos = group.load_base_model(base_model) if base_model else None
-        lora = LoraRequest(options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora})
         source_finite = _check_finite(rank_infos, options.strict)
-        aliases = model["aliases"]
-        planning = plan_holdings(holders, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
-        differences = group.tied_differences(planning.tied_key_pairs)
-        tied_values = {pair: differences[keys] for pair, keys in zip(planning.resolution.to_compare, planning.tied_key_pairs)}
-        untied = {alias for (_, alias), difference in tied_values.items() if difference != 0.0}
-        if untied and options.untie:
-            log.warning("untying %s: their saved values differ from the tensors they were tied to", sorted(untied))
-            aliases = {alias: canonical for alias, canonical in aliases.items() if alias not in untied}
-            planning = plan_holdings(holders, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
-        else:
-            check_tied_values(tied_values)
+        lora = LoraRequest(options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora})
+
+        def plan(aliases: dict[str, str]) -> TensorPlanning:
+            return plan_holdings(holders, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
+
+        planning, aliases, untied = _plan_ties(plan, model["aliases"], group, options.untie)
         shard_files = plan_shard_files(planning.tensors, options.max_shard_size)
         adapter_files = [ShardFile(ADAPTER_WEIGHTS, tuple(plan.name for plan in safetensors_order(planning.adapters)))] if planning.adapters else []
         by_name = {plan.name: plan for plan in planning.tensors + planning.adapters}
@@ -170,7 +150,7 @@ def run_export(options: ExportOptions) -> ExportReport:
         buckets = plan_buckets(in_order, worker_of_rank, num_workers, options.bucket_size)
         level = verify_level(options.verify, sum(plan.nbytes for plan in by_name.values()))
         source_pieces = group.source_pieces(planning, worker_of_rank) if level != "none" else {}
-        carried = {**model["carried"], **_generated_files(model["raw_config"], planning, bool(untied and options.untie), options)}
+        carried = {**model["carried"], **_generated_files(model["raw_config"], planning, untied, options)}
         with _stage(seconds, "transfer"):
             result, worker_stats = group.transfer(buckets, by_name, [shard_files, adapter_files], destination, carried)
     finally:
@@ -216,6 +196,22 @@ def run_export(options: ExportOptions) -> ExportReport:
         verification=verification,
         skipped=list(getattr(checkpoint, "skipped", [])),
     )
+
+
+def _plan_ties(plan, aliases: dict[str, str], group: "WorkerGroup", untie: bool) -> tuple[TensorPlanning, dict[str, str], bool]:
+    """Plan, then compare every tied pair the checkpoint holds twice: different values stop the
+    export, or with `untie` are kept as separate tensors (re-planned without those aliases).
+    Returns the planning, the aliases it used, and whether anything was untied."""
+    planning = plan(aliases)
+    differences = group.tied_differences(planning.tied_key_pairs)
+    tied_values = {pair: differences[keys] for pair, keys in zip(planning.resolution.to_compare, planning.tied_key_pairs)}
+    untied = {alias for (_, alias), difference in tied_values.items() if difference != 0.0}
+    if not (untied and untie):
+        check_tied_values(tied_values)
+        return planning, aliases, False
+    log.warning("untying %s: their saved values differ from the tensors they were tied to", sorted(untied))
+    aliases = {alias: canonical for alias, canonical in aliases.items() if alias not in untied}
+    return plan(aliases), aliases, True
 
 
 def find_checkpoint(source: Store, options: ExportOptions) -> VerlCheckpoint | DcpCheckpoint:
@@ -491,6 +487,32 @@ class WorkerGroup:
         for part in self._get(references):
             infos.update(part)
         return infos
+
+    def load_checkpoint(
+        self, source: Store, checkpoint: VerlCheckpoint | DcpCheckpoint, aliases: dict[str, str]
+    ) -> tuple[dict, dict, dict[int, int]]:
+        """Have the workers load their share of the checkpoint. Returns what each (pseudo-)rank
+        holds, the same per key, and which worker holds each rank.
+
+        verl: rank 0's file (on worker 0) tells which ranks hold data not found elsewhere (HSDP
+        replicas are skipped); those are spread over the workers. DCP: each worker reads a
+        byte-balanced share of whole tensors, tied copies together."""
+        if isinstance(checkpoint, DcpCheckpoint):
+            assignment = keep_ties_together(assign_tensors(checkpoint, self.size), aliases)
+            rank_infos = self.load_dcp(source, checkpoint, assignment)
+            worker_of_rank = {worker: worker for worker in range(self.size)}
+            holders = {key: {rank: infos[key]} for rank, infos in rank_infos.items() for key in infos}
+        else:
+            rank_infos = self.load(source, checkpoint, {0: [0]})
+            ranks = needed_ranks(rank_infos[0], checkpoint.world_size)
+            worker_of_rank = assign_ranks(ranks, self.size)
+            rest: dict[int, list[int]] = {}
+            for rank in ranks[1:]:
+                rest.setdefault(worker_of_rank[rank], []).append(rank)
+            rank_infos.update(self.load(source, checkpoint, rest))
+            holders = holders_from_ranks(rank_infos)
+        worker_of_rank[BASE_MODEL_RANK] = 0
+        return rank_infos, holders, worker_of_rank
 
     def load_dcp(self, source: Store, checkpoint: DcpCheckpoint, keys_by_worker: list[list[str]]) -> dict:
         """Each worker reads its share of a DCP checkpoint's tensors; returns their descriptions
