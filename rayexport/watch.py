@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rayexport.errors import ExportError
 from rayexport.layouts.dcp import DCP_METADATA
@@ -102,16 +102,13 @@ def watch_once(
     options: dict[str, Any],
     storage_options: dict[str, Any],
     settle_s: float = 5.0,
-    export: Callable[..., Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One pass: export, oldest first, each complete checkpoint with no committed export.
 
     A checkpoint is complete when its last-written file exists and its files do not change
     over `settle_s` seconds. Returns what happened to each candidate.
     """
-    from rayexport.job import export as default_export
-
-    export = export or default_export
+    from rayexport.job import export
     owner = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     results = []
     for candidate in find_candidates(Store(root, storage_options), pattern):
