@@ -175,13 +175,21 @@ _READS = frozenset({"check", "stat", "read", "open", "download"})
 
 
 class _CheckedWrites:
-    """A write handle whose failures name the object being written."""
+    """A write handle whose failures name the object being written.
+
+    Large writes are passed on one block at a time: fsspec's buffered files (s3fs) copy a whole
+    write into their buffer before uploading it, so a 2 GB tensor would otherwise cost 2 GB."""
 
     def __init__(self, store: Store, name: str, handle: IO[bytes]) -> None:
         self.store, self.name, self.handle = store, name, handle
+        self.block = getattr(handle, "blocksize", None) or 0
 
     def write(self, data) -> int:
-        return self.store._call("write", self.name, self.handle.write, data)
+        view = memoryview(data).cast("B")
+        step = self.block or len(view) or 1
+        for start in range(0, len(view), step):
+            self.store._call("write", self.name, self.handle.write, view[start:start + step])
+        return len(view)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
