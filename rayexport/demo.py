@@ -7,11 +7,15 @@ checkpoint writer, so what they export is what FSDP2 really saves.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from rayexport.dtypes import dtype_of
+from rayexport.layouts.verl import rank_file_name
 
 PROMPT_IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
 
@@ -135,6 +139,72 @@ def _with_random_lora(model: torch.nn.Module, lora: dict, seed: int) -> torch.nn
             if ".lora_" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
     return peft_model.eval()
+
+
+def sized_llama_config(target_bytes: int, hidden_size: int = 1024, vocab_size: int = 32000, dtype: str = "bfloat16"):
+    """An untied Llama config whose weights take about `target_bytes` in `dtype` (for
+    benchmarks and memory tests: the number of layers is chosen to fit)."""
+    from transformers import LlamaConfig
+
+    intermediate = hidden_size * 11 // 4
+    per_layer = 4 * hidden_size * hidden_size + 3 * hidden_size * intermediate + 2 * hidden_size
+    fixed = 2 * vocab_size * hidden_size + hidden_size
+    layers = max(1, round((target_bytes / dtype_of(dtype).itemsize - fixed) / per_layer))
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
+        tie_word_embeddings=False, dtype=dtype,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+def write_synthetic_checkpoint(config, out_dir: str, world_size: int = 4) -> int:
+    """A verl FSDP2 checkpoint of random weights for `config`, written by `world_size` gloo ranks,
+    each creating only its own Shard(0) slices (no process holds the model). Returns the bytes
+    of its rank files."""
+    from torch import multiprocessing
+
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        multiprocessing.spawn(
+            _write_synthetic_rank, args=(world_size, os.path.join(scratch, "rendezvous"), config, out_dir),
+            nprocs=world_size,
+        )
+    with open(os.path.join(out_dir, "fsdp_config.json"), "w") as handle:
+        json.dump({"FSDP_version": 2, "world_size": world_size}, handle)
+    write_hf_folder(config, os.path.join(out_dir, "huggingface"))
+    return sum(os.path.getsize(os.path.join(out_dir, rank_file_name(world_size, rank))) for rank in range(world_size))
+
+
+def _write_synthetic_rank(rank: int, world_size: int, rendezvous: str, config, out_dir: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from rayexport.model import build_meta_model, expected_tensors
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=600),
+    )
+    try:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+        generator = torch.Generator().manual_seed(rank)
+        dtype = dtype_of(str(config.dtype).removeprefix("torch."))
+        state = {}
+        for name, (shape, _) in sorted(expected_tensors(build_meta_model(config, False)).items()):
+            rows = math.ceil(shape[0] / world_size)
+            start, stop = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
+            local = torch.randn((stop - start, *shape[1:]), generator=generator).to(dtype)
+            stride = tuple(math.prod(shape[dim + 1:]) for dim in range(len(shape)))
+            state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+        torch.save(state, os.path.join(out_dir, rank_file_name(world_size, rank)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def write_hf_folder(config, hf_dir: str, code_files: dict[str, str] | None = None) -> None:

@@ -27,12 +27,12 @@ from rayexport.remote_code import auto_map_files, bundle_model_code
 from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
 from rayexport.plan import (
     BASE_MODEL_RANK, LoraRequest, Piece, ShardFile, TensorPlanning, assign_ranks, holders_from_ranks,
-    keep_ties_together, needed_ranks, plan_buckets, plan_holdings, plan_shard_files, safetensors_order,
+    TransferPlan, keep_ties_together, needed_ranks, plan_holdings, plan_shard_files, plan_transfer, safetensors_order,
 )
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.ties import check_tied_values, find_tie_aliases
 from rayexport.verification import ADAPTER_WEIGHTS, ExpectedExport, verify_export
-from rayexport.workers import ExportWorker
+from rayexport.workers import ExportWorker, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ class ExportReport:
     seconds: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
+    # per worker: its peak memory above what it held before loading (the transfer window)
+    working_memory_bytes: dict[str, int | None] = field(default_factory=dict)
+    files_by_worker: dict[str, list[str]] = field(default_factory=dict)  # which worker wrote what
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)  # checkpoint entries that are not model tensors
@@ -146,13 +149,14 @@ def run_export(options: ExportOptions) -> ExportReport:
         shard_files = plan_shard_files(planning.tensors, options.max_shard_size)
         adapter_files = [ShardFile(ADAPTER_WEIGHTS, tuple(plan.name for plan in safetensors_order(planning.adapters)))] if planning.adapters else []
         by_name = {plan.name: plan for plan in planning.tensors + planning.adapters}
-        in_order = [by_name[name] for shard in shard_files + adapter_files for name in shard.tensors]
-        buckets = plan_buckets(in_order, worker_of_rank, num_workers, options.bucket_size)
+        transfer = plan_transfer(
+            shard_files + adapter_files, by_name, worker_of_rank, num_workers, options.bucket_size, options.writers
+        )
         level = verify_level(options.verify, sum(plan.nbytes for plan in by_name.values()))
         source_pieces = group.source_pieces(planning, worker_of_rank) if level != "none" else {}
         carried = {**model["carried"], **_generated_files(model["raw_config"], planning, untied, options)}
         with _stage(seconds, "transfer"):
-            result, worker_stats = group.transfer(buckets, by_name, [shard_files, adapter_files], destination, carried)
+            result, worker_stats = group.transfer(transfer, by_name, shard_files, destination, carried)
     finally:
         group.shutdown()
 
@@ -188,10 +192,15 @@ def run_export(options: ExportOptions) -> ExportReport:
         seconds=seconds,
         bytes={
             "read": sum(stats["bytes_read"] for stats in worker_stats),
-            "gathered": result["bytes_gathered"],
+            "gathered": sum(stats["bytes_received"] for stats in worker_stats),
             "written": sum(record["size"] for record in result["files"].values()),
         },
-        peak_rss_bytes={f"worker{stats['worker']}": stats["peak_rss_bytes"] for stats in worker_stats},
+        peak_rss_bytes={
+            "driver": peak_rss_bytes(),
+            **{f"worker{stats['worker']}": stats["peak_rss_bytes"] for stats in worker_stats},
+        },
+        working_memory_bytes={f"worker{stats['worker']}": stats["working_memory_bytes"] for stats in worker_stats},
+        files_by_worker={f"worker{stats['worker']}": stats["files_written"] for stats in worker_stats},
         files=result["files"],
         verification=verification,
         skipped=list(getattr(checkpoint, "skipped", [])),
@@ -561,13 +570,22 @@ class WorkerGroup:
                 })
         return {name: sorted(records, key=lambda record: record["offset"]) for name, records in sorted(pieces.items())}
 
-    def transfer(self, buckets, plans, file_groups, destination, carried):
-        """Run the gather: worker 0 exports, the others send; returns (export result, stats)."""
-        references = [self.actors[0].export.remote(buckets, plans, file_groups, destination, carried)] + [actor.send.remote(buckets) for actor in self.actors[1:]]
-        results = self._get(references)
-        exported = results[0]
-        stats = [exported] + results[1:]
-        return exported, stats
+    def transfer(
+        self, transfer: TransferPlan, plans: dict, index_files: list[ShardFile], destination: Store, carried: dict[str, bytes]
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Run the gather: every worker sends its pieces and writes its files; worker 0 also
+        writes the index and the carried files. Returns (every file and tensor digest, stats
+        per worker)."""
+        results = self._get([
+            actor.transfer.remote(transfer, plans, destination, index_files if index == 0 else [], carried if index == 0 else {})
+            for index, actor in enumerate(self.actors)
+        ])
+        merged: dict[str, Any] = {"files": {}, "tensor_digests": {}}
+        for result in results:
+            result["files_written"] = sorted(result["files"])
+            merged["files"].update(result.pop("files"))
+            merged["tensor_digests"].update(result.pop("tensor_digests"))
+        return merged, results
 
     def shutdown(self, graceful: bool = True) -> None:
         """Remove the actors (letting them leave the group and drop spooled files when

@@ -38,6 +38,7 @@ class ExportOptions:
     src: str
     dst: str
     workers: int | None = None
+    writers: int = 1
     backend: str = "auto"
     bucket_size: int | str = "1GiB"
     max_shard_size: int | str = "5GB"
@@ -70,6 +71,8 @@ class ExportOptions:
         self.max_shard_size = parse_size(self.max_shard_size)
         if self.workers is not None and self.workers < 1:
             raise ExportError(f"--workers must be at least 1, not {self.workers}")
+        if self.writers < 1:
+            raise ExportError(f"--writers must be at least 1, not {self.writers}")
         if self.bucket_size < 1:
             raise ExportError("--bucket-size must be positive")
 

@@ -5,6 +5,7 @@ Pure functions over metadata; no I/O, no Ray, no process groups.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -85,10 +86,21 @@ class ShardFile:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Tensors gathered in one step; `sends[w]` are the pieces worker w packs, in order."""
+    """Tensors gathered in one step by the worker that writes them; `sends[w]` are the pieces
+    worker w packs, in order (the writer's own pieces never leave it)."""
 
     tensors: tuple[str, ...]
     sends: tuple[tuple[Piece, ...], ...]
+    writer: int = 0
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The whole gather: every bucket in the order all workers step through them, and the
+    output files each writer streams (`files[w]`, in order)."""
+
+    buckets: tuple[Bucket, ...]
+    files: tuple[tuple[ShardFile, ...], ...]
 
 
 def output_dtype(source_dtype: str, requested: str, config_dtype: str | None) -> str:
@@ -389,9 +401,10 @@ def plan_buckets(
     worker_of_rank: dict[int, int],
     num_workers: int,
     bucket_size: int,
+    writer: int = 0,
 ) -> list[Bucket]:
     """Group output tensors, in write order, into buckets of at most `bucket_size` gathered
-    bytes (a larger tensor travels alone), so there is one collective per bucket."""
+    bytes (a larger tensor travels alone), each gathered to `writer` in one step."""
     groups: list[list[TensorPlan]] = []
     size = 0
     for plan in tensors_in_order:
@@ -408,9 +421,46 @@ def plan_buckets(
             for piece in plan.all_pieces:
                 sends[worker_of_rank[piece.rank]].append(piece)
         buckets.append(
-            Bucket(tensors=tuple(plan.name for plan in group), sends=tuple(map(tuple, sends)))
+            Bucket(tensors=tuple(plan.name for plan in group), sends=tuple(map(tuple, sends)), writer=writer)
         )
     return buckets
+
+
+def assign_writers(files: list[ShardFile], plans: dict[str, TensorPlan], writers: int) -> list[int]:
+    """The writer of each output file: largest files first, each to the least-loaded writer
+    (ties to the lowest index), so `writers` workers upload about equal bytes."""
+    loads = [0] * writers
+    writer_of = [0] * len(files)
+    sizes = [sum(plans[name].nbytes for name in shard.tensors) for shard in files]
+    for position in sorted(range(len(files)), key=lambda position: (-sizes[position], position)):
+        writer = min(range(writers), key=lambda writer: (loads[writer], writer))
+        writer_of[position] = writer
+        loads[writer] += sizes[position]
+    return writer_of
+
+
+def plan_transfer(
+    files: list[ShardFile],
+    plans: dict[str, TensorPlan],
+    worker_of_rank: dict[int, int],
+    num_workers: int,
+    bucket_size: int,
+    writers: int = 1,
+) -> TransferPlan:
+    """Bucket each writer's files in write order, then interleave the writers' buckets so that
+    while one writer uploads, the next bucket is already on its way to another."""
+    writers = max(1, min(writers, num_workers, len(files) or 1))
+    writer_of = assign_writers(files, plans, writers)
+    files_of = [tuple(shard for shard, owner in zip(files, writer_of) if owner == writer) for writer in range(writers)]
+    queues = [
+        plan_buckets(
+            [plans[name] for shard in files_of[writer] for name in shard.tensors],
+            worker_of_rank, num_workers, bucket_size, writer,
+        )
+        for writer in range(writers)
+    ]
+    interleaved = [bucket for round_ in itertools.zip_longest(*queues) for bucket in round_ if bucket is not None]
+    return TransferPlan(tuple(interleaved), tuple(files_of) + ((),) * (num_workers - writers))
 
 
 def packed_offsets(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-config", metavar="URI", help="HF folder with config.json/tokenizer when SRC has no huggingface/")
     parser.add_argument("--dcp-prefix", help="key prefix of the model in a DCP state dict (default: detected)")
     parser.add_argument("--workers", type=int, help="worker actors (default: min(world size, cluster CPUs))")
+    parser.add_argument("--writers", type=int, default=1,
+                        help="workers that each write a disjoint share of the output files (default 1: worker 0)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="nccl on GPUs, gloo on CPUs")
     parser.add_argument("--bucket-size", default="1GiB", help="bytes gathered per step (default 1GiB)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 OPTION_NAMES = (
-    "workers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
+    "workers", "writers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
     "trust_remote_code", "verify", "force", "timeout_s", "num_cpus_per_worker", "num_gpus_per_worker", "log_level",
     "lora", "base_model", "lora_alpha", "lora_rslora", "untie", "strict", "unsafe_pickle",
     "layout", "hf_config", "dcp_prefix",

@@ -1,7 +1,10 @@
-"""The export's Ray actors. Worker 0 is the exporter: it receives every bucket and writes DST.
+"""The export's Ray actors. Worker 0 is the exporter: it writes the output files (with
+`--writers K`, workers 0..K-1 each write their own share of them) plus the index, config,
+tokenizer and code.
 
-Each worker reads only the rank files assigned to it, memory-mapped, and keeps them open until
-the transfer is done.
+Each worker reads only the rank files assigned to it, memory-mapped, keeps them open until the
+transfer is done, and gives back the pages it has read after each step, so that its memory
+stays at the transfer window whatever the size of its files.
 """
 
 from __future__ import annotations
@@ -22,16 +25,43 @@ from rayexport.dtypes import dtype_of
 from rayexport.layouts.dcp import DcpCheckpoint, read_tensors
 from rayexport.layouts.hf import SafetensorsTensors
 from rayexport.layouts.verl import ShardInfo, VerlCheckpoint, describe_tensor, load_rank_state, local_tensor
-from rayexport.plan import BASE_MODEL_RANK, Bucket, Piece, ShardFile, TensorPlan
+from rayexport.layouts.mapped import mapped_ranges, release_pages
+from rayexport.plan import BASE_MODEL_RANK, Piece, ShardFile, TensorPlan, TransferPlan
 from rayexport.storage import Store
-from rayexport.writer import tensor_bytes, write_shards
+from rayexport.writer import WrittenFile, tensor_bytes, write_index, write_shards
 
 log = logging.getLogger(__name__)
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory (ru_maxrss is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory since it started or since `reset_peak_rss()`."""
+    return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    return _status_bytes("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Start measuring the peak afresh (Linux); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 class ExportWorker:
@@ -45,8 +75,11 @@ class ExportWorker:
         self.device = torch.device(device)
         self.spool_dir = tempfile.mkdtemp(prefix=f"rayexport-worker{index}-")
         self.states: dict[int, dict[str, torch.Tensor]] = {}
+        self.mapped: list[tuple[int, int]] = []
         self.rendezvous = None
         self.bytes_read = 0
+        self.earlier_peak_rss = 0
+        self.resident_before_load: int | None = None
 
     def open_rendezvous(self, timeout_s: float) -> tuple[str, int]:
         """Worker 0 only: open the process group's store; return where others reach it."""
@@ -67,19 +100,25 @@ class ExportWorker:
         self, source: Store, checkpoint: VerlCheckpoint, ranks: list[int], unsafe_pickle: bool = False
     ) -> dict[int, dict[str, ShardInfo]]:
         """Load this worker's rank files; describe what each holds."""
+        self._start_measuring()
         infos = {}
         for rank in ranks:
             name = checkpoint.rank_files[rank]
-            state = load_rank_state(source, name, self.spool_dir, unsafe_pickle)
+            state, path = load_rank_state(source, name, self.spool_dir, unsafe_pickle)
             self.bytes_read += source.size(name)
             self.states[rank] = state
-            infos[rank] = {key: describe_tensor(value, rank) for key, value in state.items()}
+            self.mapped += mapped_ranges(path)
+            infos[rank] = {}
+            for key, value in state.items():
+                infos[rank][key] = describe_tensor(value, rank)
+                self.release_pages()
         return infos
 
     def load_dcp(
         self, source: Store, checkpoint: DcpCheckpoint, keys: list[str], unsafe_pickle: bool = False
     ) -> dict[int, dict[str, ShardInfo]]:
         """Read whole tensors of a DCP checkpoint, held as this worker's pseudo-rank."""
+        self._start_measuring()
         tensors = read_tensors(source, checkpoint, keys, self.spool_dir, unsafe_pickle=unsafe_pickle)
         self.states[self.index] = tensors
         self.bytes_read += sum(checkpoint.tensors[key].nbytes for key in keys)
@@ -87,6 +126,7 @@ class ExportWorker:
 
     def load_base_model(self, base_model: Store) -> dict[str, ShardInfo]:
         """Exporter only: open a base model folder's weights as the pseudo-rank BASE_MODEL_RANK."""
+        self._start_measuring()
         tensors = SafetensorsTensors(base_model, self.spool_dir)
         self.states[BASE_MODEL_RANK] = tensors
         return tensors.describe()
@@ -105,64 +145,76 @@ class ExportWorker:
                 elif first.numel():
                     worst = max(worst, (first.double() - second.double()).abs().max().item())
             differences[pair] = worst
+        self.release_pages()
         return differences
 
     def source_digests(self, requests: list[tuple[Piece, str]]) -> list[str]:
         """sha256 of each requested piece as this worker read it, cast to its output dtype: the
         verification's reference, taken before the data goes near the gather."""
-        return [
-            hashlib.sha256(tensor_bytes(self._local(piece).to(dtype_of(dtype)))).hexdigest()
-            for piece, dtype in requests
-        ]
+        digests = []
+        for piece, dtype in requests:
+            digests.append(hashlib.sha256(tensor_bytes(self._local(piece).to(dtype_of(dtype)))).hexdigest())
+            self.release_pages()
+        return digests
 
-    def send(self, buckets: list[Bucket]) -> dict[str, Any]:
-        """A non-exporting worker's whole transfer: pack and send its pieces, bucket by bucket."""
-        sent = 0
-        for bucket in buckets:
-            pieces = bucket.sends[self.index]
-            if not pieces:
-                continue
-            buffer = transport.pack(pieces, [self._local(piece) for piece in pieces], self.device)
-            transport.send_bucket(buffer)
-            sent += buffer.numel()
-        return self.stats(bytes_sent=sent)
-
-    def export(
+    def transfer(
         self,
-        buckets: list[Bucket],
+        transfer: TransferPlan,
         plans: dict[str, TensorPlan],
-        file_groups: list[list[ShardFile]],
         destination: Store,
+        index_files: list[ShardFile],
         carried: dict[str, bytes],
     ) -> dict[str, Any]:
-        """The exporter's transfer: receive every bucket and write each group of safetensors
-        files (the model's shards and index, then any adapter), then the small files the
-        export carries (config, tokenizer, code); return every file's size and digest."""
+        """This worker's part of the gather: send its pieces, and write the output files
+        `transfer` gives it; worker 0 then writes `index_files`' index and the small files the
+        export carries (config, tokenizer, code). Returns every file it wrote, with size and
+        digest, each tensor's digest, and its bytes and memory."""
         started = time.perf_counter()
-        files, digests, written = {}, {}, []
-        total = sum(plan.nbytes for plan in plans.values())
-        with tqdm(total=total, unit="B", unit_scale=True, desc="export", mininterval=1.0) as progress:
-            tensors = transport.gather_tensors(buckets, plans, self._local, self.device)
-            for group in file_groups:
-                group_written, group_digests = write_shards(destination, group, plans, tensors, progress.update)
-                written += group_written
-                digests.update(group_digests)
+        my_files = transfer.files[self.index]
+        total = sum(plans[name].nbytes for shard in my_files for name in shard.tensors)
+
+        def write(tensors) -> tuple[list[WrittenFile], dict[str, str]]:
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"write{self.index}", mininterval=1.0) as progress:
+                return write_shards(destination, my_files, plans, tensors, progress.update)
+
+        written, digests = transport.run_transfer(
+            self.index, transfer.buckets, plans, self._local, self.device,
+            write if my_files else None, after_read=self.release_pages,
+        ) or ([], {})
+        index = write_index(destination, index_files, plans) if index_files else None
+        files = {item.name: {"size": item.size, "sha256": item.sha256} for item in written + ([index] if index else [])}
         for name, data in sorted(carried.items()):
             destination.write_bytes(name, data)
             files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        for item in written:
-            files[item.name] = {"size": item.size, "sha256": item.sha256}
-        gathered = sum(transport.bucket_bytes(bucket) for bucket in buckets)
         seconds = time.perf_counter() - started
-        log.info("wrote %d bytes in %.2f s (%.1f MB/s)", total, seconds, total / max(seconds, 1e-9) / 1e6)
+        if total:
+            log.info("worker %d wrote %d bytes in %.2f s (%.1f MB/s)", self.index, total, seconds, total / max(seconds, 1e-9) / 1e6)
+        received = transport.received_bytes(transfer.buckets, self.index)
         return {
             "files": files,
             "tensor_digests": digests,
-            **self.stats(bytes_gathered=gathered, bytes_written=sum(item.size for item in written)),
+            **self.stats(bytes_received=received, bytes_written=sum(item.size for item in written)),
         }
 
     def stats(self, **extra: int) -> dict[str, Any]:
-        return {"worker": self.index, "bytes_read": self.bytes_read, "peak_rss_bytes": peak_rss_bytes(), **extra}
+        """Bytes read, whole-life peak memory, and the working memory: the peak above what this
+        process held before it loaded anything (None where Linux's peak reset is missing)."""
+        peak = peak_rss_bytes()
+        working = peak - self.resident_before_load if self.resident_before_load is not None else None
+        return {
+            "worker": self.index, "bytes_read": self.bytes_read, "peak_rss_bytes": max(self.earlier_peak_rss, peak),
+            "working_memory_bytes": working, **extra,
+        }
+
+    def _start_measuring(self) -> None:
+        if self.resident_before_load is None:
+            self.earlier_peak_rss = peak_rss_bytes()
+            if reset_peak_rss():
+                self.resident_before_load = rss_bytes()
+
+    def release_pages(self) -> None:
+        """Give back the pages of the mapped rank files read so far (they stay cached)."""
+        release_pages(self.mapped)
 
     def close(self) -> None:
         transport.leave_group()

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 from rayexport.errors import ExportError
-from rayexport.dtypes import SAFETENSORS_DTYPES
+from rayexport.dtypes import SAFETENSORS_DTYPES, dtype_of
 from rayexport.plan import ShardFile, TensorPlan
 from rayexport.storage import Store
 
@@ -61,12 +61,13 @@ def index_json(shard_files: list[ShardFile], plans: dict[str, TensorPlan]) -> di
 
 def write_shards(
     store: Store,
-    shard_files: list[ShardFile],
+    shard_files: list[ShardFile] | tuple[ShardFile, ...],
     plans: dict[str, TensorPlan],
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, list[torch.Tensor]]],
     on_tensor: Callable[[int], None] = lambda nbytes: None,
 ) -> tuple[list[WrittenFile], dict[str, str]]:
-    """Stream `tensors` (in the planned order) into their shard files.
+    """Stream `tensors` (in the planned order, each as consecutive chunks of its bytes) into
+    their shard files, casting each chunk to the planned dtype.
 
     Returns each file's size and sha256, and each tensor's sha256; a file becomes visible only
     once all its bytes are written.
@@ -80,21 +81,39 @@ def write_shards(
         with store.writer(shard.filename) as handle:
             handle.write(header)
             for plan in ordered:
-                name, tensor = next(tensors)
-                if name != plan.name or tuple(tensor.shape) != plan.shape:
+                name, chunks = next(tensors, (None, []))
+                shape = _chunked_shape(chunks)
+                if name != plan.name or shape != plan.shape:
                     raise ExportError(
                         f"internal error: expected tensor '{plan.name}' {list(plan.shape)}, "
-                        f"got '{name}' {list(tensor.shape)}"
+                        f"got '{name}' {list(shape or ())}"
                     )
-                data = tensor_bytes(tensor.to(getattr(torch, plan.dtype)))
-                handle.write(data)
-                file_digest.update(data)
-                digests[name] = hashlib.sha256(data).hexdigest()
+                tensor_digest = hashlib.sha256()
+                for chunk in chunks:
+                    data = tensor_bytes(chunk.to(dtype_of(plan.dtype)))
+                    handle.write(data)
+                    file_digest.update(data)
+                    tensor_digest.update(data)
+                digests[name] = tensor_digest.hexdigest()
                 size += plan.nbytes
                 on_tensor(plan.nbytes)
         written.append(WrittenFile(shard.filename, size, file_digest.hexdigest()))
-    if len(shard_files) > 1:
-        data = (json.dumps(index_json(shard_files, plans), indent=2) + "\n").encode()
-        store.write_bytes(INDEX_NAME, data)
-        written.append(WrittenFile(INDEX_NAME, len(data), hashlib.sha256(data).hexdigest()))
     return written, digests
+
+
+def write_index(store: Store, shard_files: list[ShardFile], plans: dict[str, TensorPlan]) -> WrittenFile | None:
+    """Write `model.safetensors.index.json` when the model spans several files."""
+    if len(shard_files) < 2:
+        return None
+    data = (json.dumps(index_json(shard_files, plans), indent=2) + "\n").encode()
+    store.write_bytes(INDEX_NAME, data)
+    return WrittenFile(INDEX_NAME, len(data), hashlib.sha256(data).hexdigest())
+
+
+def _chunked_shape(chunks: list[torch.Tensor]) -> tuple[int, ...] | None:
+    """The shape of the tensor that `chunks` (consecutive runs of rows) make up."""
+    if not chunks:
+        return None
+    if len(chunks) == 1:
+        return tuple(chunks[0].shape)
+    return (sum(chunk.shape[0] for chunk in chunks),) + tuple(chunks[0].shape[1:])

@@ -14,12 +14,15 @@ from rayexport.layouts.verl import ShardInfo
 from rayexport.plan import (
     PACK_ALIGNMENT,
     Piece,
+    ShardFile,
     TensorPlan,
     assign_ranks,
     needed_ranks,
     output_dtype,
     packed_offsets,
+    assign_writers,
     plan_buckets,
+    plan_transfer,
     plan_shard_files,
     holders_from_ranks,
     plan_holdings,
@@ -533,3 +536,33 @@ def test_keep_ties_together_moves_the_alias_to_its_canonical_worker():
     moved = keep_ties_together([[EMBED, "a"], [HEAD, "b"]], TIED)
     assert moved == [[EMBED, "a", HEAD], ["b"]]
     assert keep_ties_together([[EMBED, HEAD], ["b"]], TIED) == [[EMBED, HEAD], ["b"]]
+
+
+# --- plan_transfer: several writers ---------------------------------------------------------
+
+
+def test_assign_writers_balances_bytes_largest_first():
+    plans = {f"t{i}": sharded(f"t{i}", rows, 4, 2) for i, rows in enumerate([10, 1, 9, 2, 8])}
+    files = [ShardFile(f"f{i}", (f"t{i}",)) for i in range(5)]
+    writers = assign_writers(files, plans, 2)
+    loads = [sum(plans[f"t{i}"].nbytes for i, writer in enumerate(writers) if writer == w) for w in range(2)]
+    assert writers == [0, 0, 1, 0, 1]  # by rows: 10 -> w0, 9 -> w1, 8 -> w1, 2 -> w0, 1 -> w0
+    assert abs(loads[0] - loads[1]) <= max(plan.nbytes for plan in plans.values())
+
+
+def test_plan_transfer_interleaves_writers_and_keeps_each_writers_order():
+    plans = {f"t{i}": sharded(f"t{i}", 4, 4, 2) for i in range(8)}  # 64 B each
+    files = [ShardFile(f"f{i}", (f"t{2 * i}", f"t{2 * i + 1}")) for i in range(4)]
+    transfer = plan_transfer(files, plans, {0: 0, 1: 1}, 2, bucket_size=64, writers=2)
+    assert [bucket.writer for bucket in transfer.buckets] == [0, 1] * 4
+    for writer in range(2):
+        mine = [name for bucket in transfer.buckets if bucket.writer == writer for name in bucket.tensors]
+        assert mine == [name for shard in transfer.files[writer] for name in shard.tensors]
+    assert sorted(shard.filename for files_ in transfer.files for shard in files_) == [f"f{i}" for i in range(4)]
+
+
+def test_plan_transfer_never_has_more_writers_than_workers_or_files():
+    plans = {"t0": sharded("t0", 4, 4, 2)}
+    transfer = plan_transfer([ShardFile("model.safetensors", ("t0",))], plans, {0: 0, 1: 1}, 2, 1 << 20, writers=4)
+    assert {bucket.writer for bucket in transfer.buckets} == {0}
+    assert transfer.files == ((ShardFile("model.safetensors", ("t0",)),), ())

@@ -1,13 +1,16 @@
 """rayexport.transport: packing, assembling, and the real uneven gather over gloo."""
 
+import time
+
+import pytest
 import torch
 import torch.multiprocessing as multiprocessing
 
 from rayexport.layouts.verl import ShardInfo
 from rayexport.plan import (
-    Piece, TensorPlan, assign_ranks, holders_from_ranks, packed_offsets, plan_buckets, plan_holdings,
+    Piece, ShardFile, TensorPlan, assign_ranks, holders_from_ranks, packed_offsets, plan_holdings, plan_transfer,
 )
-from rayexport.transport import assemble, gather_tensors, pack, unpack
+from rayexport.transport import assemble, output_chunks, pack, run_transfer, unpack
 
 CPU = torch.device("cpu")
 
@@ -121,61 +124,121 @@ def gather_case():
     return full, infos
 
 
-def gather_plan():
+def gather_plan(writers=1):
     full, infos = gather_case()
     expected = {name: (tuple(tensor.shape), "") for name, tensor in full.items()}
-    plans = plan_holdings(holders_from_ranks(infos), expected, {}, "auto", None).tensors
-    buckets = plan_buckets(plans, assign_ranks(list(range(WORLD)), WORLD), WORLD, bucket_size=40)
-    return full, {plan.name: plan for plan in plans}, buckets
+    plans = {plan.name: plan for plan in plan_holdings(holders_from_ranks(infos), expected, {}, "auto", None).tensors}
+    files = [ShardFile(f"part{i}", tuple(names)) for i, names in enumerate(
+        [("e.plain", "a.weight"), ("b.weight", "d.mask", "c.weight"), ("f.plain", "g.scale")]
+    )]
+    transfer = plan_transfer(files, plans, assign_ranks(list(range(WORLD)), WORLD), WORLD, bucket_size=40, writers=writers)
+    return full, plans, transfer
 
 
-def _gather_rank(rank, rendezvous, result_path):
+def _gather_rank(rank, rendezvous, result_dir, writers):
     import datetime
 
     import torch.distributed as dist
-
-    from rayexport.transport import send_bucket
 
     dist.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
         timeout=datetime.timedelta(seconds=60),
     )
     try:
-        full, plans, buckets = gather_plan()
+        full, plans, transfer = gather_plan(writers)
 
         def local_piece(piece):
             assert piece.rank == rank, f"rank {rank} asked for rank {piece.rank}'s piece"
             return region(full[piece.source_key], piece)  # a view, as a memory-mapped file gives
 
-        if rank == 0:
-            gathered = {name: tensor.clone() for name, tensor in gather_tensors(buckets, plans, local_piece, CPU)}
-            torch.save(gathered, result_path)
-        else:
-            for bucket in buckets:
-                pieces = bucket.sends[rank]
-                if pieces:
-                    send_bucket(pack(pieces, [local_piece(piece) for piece in pieces], CPU))
+        def write(tensors):
+            return {name: torch.cat([chunk.reshape(-1) for chunk in chunks]).clone() for name, chunks in tensors}
+
+        files = transfer.files[rank]
+        gathered = run_transfer(rank, transfer.buckets, plans, local_piece, CPU, write if files else None)
+        torch.save(gathered or {}, f"{result_dir}/rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_gather_over_gloo_with_uneven_and_empty_shards(tmp_path):
-    full, plans, buckets = gather_plan()
+@pytest.mark.parametrize("writers", [1, 2])
+def test_gather_over_gloo_with_uneven_and_empty_shards(tmp_path, writers):
+    full, plans, transfer = gather_plan(writers)
+    buckets = transfer.buckets
     # the case covers what it claims: several buckets, and worker 1 holding no rows of some tensors
     assert len(buckets) > 2
     assert [p.rank for p in plans["b.weight"].pieces] == [0]
     assert [p.shape for p in plans["e.plain"].pieces] == [(0, 2), (3, 2)]
-    # a bucket where worker 1's only piece is empty: it sends nothing and rank 0 expects nothing
-    assert ("f.plain",) in [bucket.tensors for bucket in buckets]
-    assert any(bucket.sends[1] and packed_offsets(bucket.sends[1])[1] == 0 for bucket in buckets)
+    # a bucket where a sender's only piece is empty: it sends nothing and its writer expects nothing
+    assert any(
+        pieces and packed_offsets(pieces)[1] == 0
+        for bucket in buckets for worker, pieces in enumerate(bucket.sends) if worker != bucket.writer
+    )
+    assert {bucket.writer for bucket in buckets} == set(range(writers))
 
-    result_path = tmp_path / "gathered.pt"
-    multiprocessing.spawn(_gather_rank, args=(str(tmp_path / "rendezvous"), str(result_path)), nprocs=WORLD)
-    gathered = torch.load(result_path, weights_only=True)
-    assert list(gathered) == [name for bucket in buckets for name in bucket.tensors]
-    assert set(gathered) == set(full)
-    for name, original in full.items():
-        assert gathered[name].dtype == original.dtype, name
-        assert gathered[name].shape == original.shape, name
-        assert torch.equal(gathered[name], original), name
+    multiprocessing.spawn(_gather_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path), writers), nprocs=WORLD)
+    for rank in range(WORLD):
+        gathered = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        # each writer received exactly the tensors of its files, in file order
+        assert list(gathered) == [name for shard in transfer.files[rank] for name in shard.tensors]
+        for name, flat in gathered.items():
+            original = full[name]
+            assert flat.dtype == original.dtype, name
+            assert torch.equal(flat, original.reshape(-1)), name
+
+
+# --- the transfer window, in one process (a single worker holds every piece) -------------------
+
+
+def single_worker_case(tensors=6, rows=4):
+    full = {f"t{i}": torch.full((rows, 4), float(i)) for i in range(tensors)}
+    plans = {
+        name: TensorPlan(name, name, (rows, 4), "float32", "float32", (Piece(0, name, (0, 0), (rows, 4), "float32"),))
+        for name in full
+    }
+    transfer = plan_transfer([ShardFile("model.safetensors", tuple(full))], plans, {0: 0}, 1, bucket_size=64)
+    assert len(transfer.buckets) == tensors  # one 64-byte tensor per bucket
+    return full, plans, transfer
+
+
+def test_the_writer_never_falls_more_than_the_window_behind():
+    full, plans, transfer = single_worker_case()
+    received, written, lag = [], [], []
+
+    def local_piece(piece):
+        received.append(piece.source_key)
+        return full[piece.source_key]
+
+    def write(tensors):
+        for name, chunks in tensors:
+            time.sleep(0.05)  # a slow upload: the gather must wait for it, not pile up buckets
+            lag.append(len(received) - len(written))
+            written.append(name)
+        return written
+
+    assert run_transfer(0, transfer.buckets, plans, local_piece, CPU, write, window=2) == list(full)
+    assert max(lag) == 2  # the next bucket was received while this one was written, and no more
+
+
+def test_a_failing_writer_ends_the_transfer_with_its_error():
+    full, plans, transfer = single_worker_case()
+
+    def write(tensors):
+        next(tensors)
+        raise OSError("upload of model.safetensors refused")
+
+    with pytest.raises(OSError, match="upload of model.safetensors refused"):
+        run_transfer(0, transfer.buckets, plans, lambda piece: full[piece.source_key], CPU, write, window=2)
+
+
+def test_output_chunks_are_the_pieces_of_a_row_sharded_tensor():
+    full = torch.randn(7, 3)
+    pieces = [Piece(rank, "w", (start, 0), (stop - start, 3), "float32") for rank, (start, stop) in enumerate([(3, 6), (0, 3), (6, 7)])]
+    plan = plan_of("w", full, pieces)
+    chunks = output_chunks(plan, {piece: region(full, piece) for piece in pieces})
+    assert [chunk.shape[0] for chunk in chunks] == [3, 3, 1]  # in row order, no assembled copy
+    assert all(chunk.data_ptr() == region(full, piece).data_ptr() for chunk, piece in zip(chunks, sorted(pieces, key=lambda p: p.offset)))
+    column = [Piece(rank, "w", (0, start), (7, stop - start), "float32") for rank, (start, stop) in enumerate([(0, 2), (2, 3)])]
+    (assembled,) = output_chunks(plan_of("w", full, column), {piece: region(full, piece).clone() for piece in column})
+    assert torch.equal(assembled, full)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save as safetensors_save
 from rayexport.errors import ExportError
 from rayexport.plan import Piece, TensorPlan, plan_shard_files
 from rayexport.storage import Store
-from rayexport.writer import INDEX_NAME, write_shards
+from rayexport.writer import INDEX_NAME, write_index, write_shards
 
 
 def mixed_tensors():
@@ -38,13 +38,19 @@ def plans_for(tensors, dtypes=None):
     return plans
 
 
-def write(tmp_path, tensors, plans, max_shard_size):
+def chunked(tensor, rows):
+    """A tensor as runs of `rows` rows, as a writer receives row-sharded pieces."""
+    return list(tensor.split(rows)) if rows and tensor.dim() and tensor.shape[0] else [tensor]
+
+
+def write(tmp_path, tensors, plans, max_shard_size, rows=None):
     shard_files = plan_shard_files(list(plans.values()), max_shard_size)
     store = Store(str(tmp_path / "out"))
-    stream = ((name, tensors[name]) for shard in shard_files for name in shard.tensors)
+    stream = ((name, chunked(tensors[name], rows)) for shard in shard_files for name in shard.tensors)
     seen = []
     written, digests = write_shards(store, shard_files, plans, stream, seen.append)
-    return store, shard_files, written, digests, seen
+    index = write_index(store, shard_files, plans)
+    return store, shard_files, written + ([index] if index else []), digests, seen
 
 
 def test_several_shards_are_byte_identical_to_safetensors(tmp_path):
@@ -110,6 +116,16 @@ def test_floats_are_cast_to_the_planned_dtype(tmp_path):
     assert store.read_bytes("model.safetensors") == safetensors_save(expected, metadata={"format": "pt"})
 
 
+def test_rows_streamed_in_chunks_give_the_same_bytes(tmp_path):
+    tensors = mixed_tensors()
+    plans = plans_for(tensors, {name: "bfloat16" for name, t in tensors.items() if t.dtype == torch.float32 and t.dim()})
+    store, _, _, digests, _ = write(tmp_path, tensors, plans, max_shard_size=1 << 20, rows=2)
+    expected = {name: tensor.to(getattr(torch, plans[name].dtype)) for name, tensor in tensors.items()}
+    assert store.read_bytes("model.safetensors") == safetensors_save(expected, metadata={"format": "pt"})
+    raw = expected["model.embed_tokens.weight"].reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert digests["model.embed_tokens.weight"] == hashlib.sha256(raw).hexdigest()
+
+
 def test_a_tensor_out_of_order_is_refused_and_not_published(tmp_path):
     tensors = mixed_tensors()
     plans = plans_for(tensors)
@@ -118,5 +134,5 @@ def test_a_tensor_out_of_order_is_refused_and_not_published(tmp_path):
     names = list(shard_files[0].tensors)
     names[0], names[1] = names[1], names[0]
     with pytest.raises(ExportError, match="expected tensor"):
-        write_shards(store, shard_files, plans, ((name, tensors[name]) for name in names))
+        write_shards(store, shard_files, plans, ((name, [tensors[name]]) for name in names))
     assert not store.exists("model.safetensors")

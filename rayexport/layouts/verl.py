@@ -105,9 +105,12 @@ class ShardInfo:
     finite: bool = True  # False when this rank's part holds NaN or Inf
 
 
-def load_rank_state(store: Store, name: str, spool_dir: str, unsafe_pickle: bool = False) -> dict[str, torch.Tensor]:
+def load_rank_state(
+    store: Store, name: str, spool_dir: str, unsafe_pickle: bool = False
+) -> tuple[dict[str, torch.Tensor], str]:
     """Load one rank file memory-mapped, with the weights-only unpickler (tensors, DTensors and
-    their placements only) unless `unsafe_pickle`, which runs arbitrary pickled code.
+    their placements only) unless `unsafe_pickle`, which runs arbitrary pickled code. Returns
+    the state and the local file it maps.
 
     A remote file is spooled to local disk first so that it too is memory-mapped rather than
     held in RAM.
@@ -130,7 +133,7 @@ def load_rank_state(store: Store, name: str, spool_dir: str, unsafe_pickle: bool
         isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()
     ):
         raise ExportError(f"rank file '{store.display(name)}' is not a model state dict")
-    return state
+    return state, path
 
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
