@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -73,32 +74,52 @@ def write_shards(
     once all its bytes are written.
     """
     written, digests = [], {}
-    for shard in shard_files:
-        ordered = [plans[name] for name in shard.tensors]
-        header = safetensors_header(ordered)
-        file_digest = hashlib.sha256(header)
-        size = len(header)
-        with store.writer(shard.filename) as handle:
-            handle.write(header)
-            for plan in ordered:
-                name, chunks = next(tensors, (None, []))
-                shape = _chunked_shape(chunks)
-                if name != plan.name or shape != plan.shape:
-                    raise ExportError(
-                        f"internal error: expected tensor '{plan.name}' {list(plan.shape)}, "
-                        f"got '{name}' {list(shape or ())}"
-                    )
-                tensor_digest = hashlib.sha256()
-                for chunk in chunks:
-                    data = tensor_bytes(chunk.to(dtype_of(plan.dtype)))
-                    handle.write(data)
-                    file_digest.update(data)
-                    tensor_digest.update(data)
-                digests[name] = tensor_digest.hexdigest()
-                size += plan.nbytes
-                on_tensor(plan.nbytes)
-        written.append(WrittenFile(shard.filename, size, file_digest.hexdigest()))
+    # the tensor's digest is taken in a second thread while this one writes and takes the file's
+    # (hashlib lets go of the GIL on large buffers), so the two sha256 passes cost about one
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayexport-digest")
+    try:
+        for shard in shard_files:
+            written.append(_write_shard(store, shard, plans, tensors, on_tensor, digests, hasher))
+    finally:
+        hasher.shutdown()
     return written, digests
+
+
+def _write_shard(
+    store: Store,
+    shard: ShardFile,
+    plans: dict[str, TensorPlan],
+    tensors: Iterator[tuple[str, list[torch.Tensor]]],
+    on_tensor: Callable[[int], None],
+    digests: dict[str, str],
+    hasher: ThreadPoolExecutor,
+) -> WrittenFile:
+    """One safetensors file: its header, then each tensor's bytes as they arrive."""
+    ordered = [plans[name] for name in shard.tensors]
+    header = safetensors_header(ordered)
+    file_digest = hashlib.sha256(header)
+    size = len(header)
+    with store.writer(shard.filename) as handle:
+        handle.write(header)
+        for plan in ordered:
+            name, chunks = next(tensors, (None, []))
+            shape = _chunked_shape(chunks)
+            if name != plan.name or shape != plan.shape:
+                raise ExportError(
+                    f"internal error: expected tensor '{plan.name}' {list(plan.shape)}, "
+                    f"got '{name}' {list(shape or ())}"
+                )
+            tensor_digest = hashlib.sha256()
+            for chunk in chunks:
+                data = tensor_bytes(chunk.to(dtype_of(plan.dtype)))
+                hashed = hasher.submit(tensor_digest.update, data)
+                handle.write(data)
+                file_digest.update(data)
+                hashed.result()
+            digests[name] = tensor_digest.hexdigest()
+            size += plan.nbytes
+            on_tensor(plan.nbytes)
+    return WrittenFile(shard.filename, size, file_digest.hexdigest())
 
 
 def write_index(store: Store, shard_files: list[ShardFile], plans: dict[str, TensorPlan]) -> WrittenFile | None:

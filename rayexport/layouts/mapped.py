@@ -10,7 +10,7 @@ nothing here ever writes to a source tensor, so dropping the pages loses nothing
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 
 MADV_DONTNEED = 4
@@ -41,5 +41,6 @@ def release_pages(ranges: list[tuple[int, int]]) -> None:
         madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    return ctypes.CDLL(None, use_errno=True)  # the C library this process already has loaded

@@ -142,11 +142,20 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else value
 
 
+def is_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf in a tensor. min and max propagate NaN and reach Inf, and one aminmax pass
+    over the data is many times faster than materialising isfinite's mask."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
 def describe_tensor(value: torch.Tensor, rank: int) -> ShardInfo:
     """The placement of one rank's (D)Tensor, without needing a process group."""
     local = local_tensor(value)
     dtype = dtype_name(local.dtype)
-    finite = not local.is_floating_point() or bool(torch.isfinite(local).all())
+    finite = is_finite(local)
     mesh = getattr(value, "device_mesh", None)
     if mesh is None:
         return ShardInfo(local_shape=tuple(local.shape), dtype=dtype, finite=finite)
