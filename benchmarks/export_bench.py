@@ -1,0 +1,320 @@
+"""rayexport against the storage floor and verl's model merger, side by side on the same data.
+
+    python benchmarks/export_bench.py                  # 1 GB and 4 GB, world size 4
+    python benchmarks/export_bench.py --sizes 256MB --workers 1,2 --skip-verl
+
+One invocation builds synthetic verl FSDP2 checkpoints (real DTensor rank files written by
+gloo ranks; a Llama config sized to the target, bf16) on local disk and on a moto S3 server
+over HTTP, then times on the same bytes:
+  1. the floor: `cp -r` of the checkpoint (local) and s3fs `put` of it (S3);
+  2. verl's model merger (`python -m verl.model_merger merge --backend fsdp`), installed into a
+     separate virtualenv the script creates (benchmarks/.venv-verl), local only;
+  3. rayexport with 1, 2 and 4 workers, local and S3, through the CLI as a user runs it,
+     joined to one Ray instance whose start-up is reported on its own line.
+It also measures the gather transports on this node (gloo point-to-point against Ray's
+shared-memory object store) and prints markdown tables. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VERL_VENV = os.path.join(HERE, ".venv-verl")
+BUCKET = "bench"
+S3_ENV = {"AWS_ACCESS_KEY_ID": "bench-key", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+MiB = 2**20
+
+
+# --- running and measuring ---------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    size: str
+    name: str
+    wall_s: float
+    export_s: float | None = None  # rayexport: plan + load + transfer + commit (no Ray or actor start)
+    start_s: float | None = None  # rayexport: worker actors and process group start
+    stages: dict[str, float] | None = None
+    peak_rss: dict[str, int] | None = None
+    floor_s: float | None = None
+    verl_s: float | None = None
+    nbytes: int = 0
+
+
+def measure(command: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Run `command`; its wall seconds and the peak RSS of its own process (wait4's rusage)."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr = process.stderr.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - started
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:4])}... failed:\n{stderr.decode()[-3000:]}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, **_boto_credentials()).create_bucket(Bucket=BUCKET)
+    return server, endpoint
+
+
+def _boto_credentials() -> dict[str, str]:
+    return {"aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            "region_name": S3_ENV["AWS_DEFAULT_REGION"]}
+
+
+def verl_python() -> str:
+    """The virtualenv with verl (and the CPU torch wheel), created on first use."""
+    python = os.path.join(VERL_VENV, "bin", "python")
+    if not os.path.exists(python):
+        print("creating", VERL_VENV, "with verl (once; a few minutes)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", VERL_VENV], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}"], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", "verl"], check=True)
+    return python
+
+
+def rayexport_run(
+    src: str, dst: str, workers: int, writers: int, bucket_size: str, env: dict[str, str], report: str
+) -> tuple[float, dict]:
+    command = [
+        sys.executable, "-m", "rayexport.run", "--src", src, "--dst", dst, "--workers", str(workers),
+        "--writers", str(writers), "--verify", "none", "--bucket-size", bucket_size, "--report", report,
+        "--log-level", "WARNING",
+    ]
+    seconds, _ = measure(command, env)
+    with open(report) as handle:
+        return seconds, json.load(handle)
+
+
+def remove(uri: str, s3) -> None:
+    if uri.startswith("s3://"):
+        if s3.exists(uri):
+            s3.rm(uri, recursive=True)
+    else:
+        shutil.rmtree(uri, ignore_errors=True)
+
+
+# --- the transport comparison --------------------------------------------------------------------
+
+
+def transport_bench(megabytes: int, repeats: int) -> dict[str, float]:
+    """MB/s moving one buffer between two actors on this node: gloo send/recv against
+    ray.put in one actor and ray.get (zero-copy from shared memory) in the other."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Peer:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def address(self) -> tuple[str, int]:
+            from rayexport import transport
+
+            self.store = transport.open_rendezvous("127.0.0.1", 120)
+            return "127.0.0.1", self.store.port
+
+        def join(self, host: str, port: int) -> None:
+            from rayexport import transport
+
+            transport.join_group("gloo", self.rank, 2, host, port, 120, store=getattr(self, "store", None))
+
+        def gloo(self, nbytes: int, repeats: int) -> float:
+            import torch.distributed as dist
+
+            buffer = torch.ones(nbytes, dtype=torch.uint8) if self.rank else torch.empty(nbytes, dtype=torch.uint8)
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(repeats):
+                if self.rank:
+                    dist.send(buffer, dst=0)
+                else:
+                    dist.recv(buffer, src=1)
+            dist.barrier()
+            return time.perf_counter() - started
+
+        def put(self, nbytes: int):
+            return [ray.put(torch.ones(nbytes, dtype=torch.uint8).numpy())]
+
+        def get(self, references) -> int:
+            array = ray.get(references[0])
+            return int(array[-1])
+
+    nbytes = megabytes * MiB
+    peers = [Peer.remote(rank) for rank in range(2)]
+    host, port = ray.get(peers[0].address.remote())
+    ray.get([peer.join.remote(host, port) for peer in peers])
+    gloo_s = max(ray.get([peer.gloo.remote(nbytes, repeats) for peer in peers]))
+    started = time.perf_counter()
+    for _ in range(repeats):
+        ray.get(peers[0].get.remote(ray.get(peers[1].put.remote(nbytes))))
+    object_store_s = time.perf_counter() - started
+    for peer in peers:
+        ray.kill(peer)
+    total = nbytes * repeats / 1e6
+    return {"gloo send/recv": total / gloo_s, "Ray object store put/get": total / object_store_s}
+
+
+# --- the benchmark ---------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    from rayexport.options import parse_size as parse
+
+    return parse(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1GB,4GB", help="checkpoint sizes (default 1GB,4GB)")
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--workers", default="1,2,4", help="rayexport worker counts (default 1,2,4)")
+    parser.add_argument("--writers", type=int, default=2,
+                        help="also run the most workers with this many writers (default 2; 1: no such run)")
+    parser.add_argument("--bucket-size", default="256MiB", help="rayexport --bucket-size (default 256MiB)")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "rayexport-bench"))
+    parser.add_argument("--skip-verl", action="store_true")
+    parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--transport-mb", type=int, default=256, help="buffer size of the transport comparison")
+    parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+    args = parser.parse_args(argv)
+    sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
+    worker_counts = [int(count) for count in args.workers.split(",")]
+    configurations = [(workers, 1) for workers in worker_counts]
+    if args.writers > 1:
+        configurations.append((max(worker_counts), args.writers))
+    report_path = os.path.join(args.workdir, "report.json")
+    os.makedirs(args.workdir, exist_ok=True)
+
+    import ray
+    import s3fs
+
+    server, endpoint = (None, None) if args.skip_s3 else start_moto()
+    os.environ.update(S3_ENV, **({"AWS_ENDPOINT_URL": endpoint} if endpoint else {}))
+    s3 = s3fs.S3FileSystem(endpoint_url=endpoint, key=S3_ENV["AWS_ACCESS_KEY_ID"], secret=S3_ENV["AWS_SECRET_ACCESS_KEY"]) if endpoint else None
+    started = time.perf_counter()
+    ray.init(num_cpus=max(worker_counts) + 1, include_dashboard=False, logging_level="WARNING")
+    ray_start_s = time.perf_counter() - started
+    # after ray.init, which sets what a client needs to join (the token auth mode)
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    runs: list[Run] = []
+    try:
+        transport = transport_bench(args.transport_mb, repeats=4)
+        for size in sizes:
+            config = sized_llama_config(parse_size(size))
+            src = os.path.join(args.workdir, f"ckpt-{size}", "global_step_1", "actor")
+            if not os.path.exists(os.path.join(src, "fsdp_config.json")):
+                print(f"writing a {size} checkpoint ({config.num_hidden_layers} layers) to {src}", flush=True)
+                shutil.rmtree(os.path.dirname(os.path.dirname(src)), ignore_errors=True)
+                write_synthetic_checkpoint(config, src, args.world_size)
+            nbytes = sum(os.path.getsize(os.path.join(src, name)) for name in os.listdir(src) if name.endswith(".pt"))
+            out = os.path.join(args.workdir, "out")
+
+            remove(out, s3)
+            floor_s, _ = measure(["cp", "-r", src, out])
+            runs.append(Run(size, "floor: cp -r (local)", floor_s, export_s=floor_s, nbytes=nbytes))
+            remove(out, s3)
+
+            verl_s = None
+            if not args.skip_verl:
+                verl_s, verl_rss = measure([verl_python(), "-m", "verl.model_merger", "merge", "--backend", "fsdp",
+                                            "--local_dir", src, "--target_dir", out], dict(env, CUDA_VISIBLE_DEVICES=""))
+                runs.append(Run(size, "verl model_merger (local)", verl_s, export_s=verl_s, peak_rss={"merger": verl_rss},
+                                floor_s=floor_s, nbytes=nbytes))
+                remove(out, s3)
+
+            for workers, writers in configurations:
+                wall, report = rayexport_run(src, out, workers, writers, args.bucket_size, env, report_path)
+                runs.append(_rayexport_row(size, _label(workers, writers, "local"), wall, report, floor_s, verl_s, nbytes))
+                remove(out, s3)
+
+            if s3 is not None:
+                s3_src, s3_out = f"s3://{BUCKET}/ckpt-{size}/actor", f"s3://{BUCKET}/out"
+                remove(s3_src, s3)
+                started = time.perf_counter()
+                s3.put(src, s3_src, recursive=True)
+                s3_floor_s = time.perf_counter() - started
+                runs.append(Run(size, "floor: s3fs put (S3)", s3_floor_s, export_s=s3_floor_s, nbytes=nbytes))
+                for workers, writers in configurations:
+                    wall, report = rayexport_run(s3_src, s3_out, workers, writers, args.bucket_size, env, report_path)
+                    runs.append(_rayexport_row(size, _label(workers, writers, "S3"), wall, report, s3_floor_s, None, nbytes))
+                    remove(s3_out, s3)
+                remove(s3_src, s3)
+    finally:
+        ray.shutdown()
+        if server is not None:
+            server.terminate()
+    print_tables(runs, ray_start_s, transport, args)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"ray_start_s": ray_start_s, "transport_mb_s": transport, "runs": [run.__dict__ for run in runs]}, handle, indent=2)
+    return 0
+
+
+def _label(workers: int, writers: int, storage: str) -> str:
+    return f"rayexport {workers} worker(s)" + (f", {writers} writers" if writers > 1 else "") + f" ({storage})"
+
+
+def _rayexport_row(size: str, name: str, wall: float, report: dict, floor_s: float, verl_s: float | None, nbytes: int) -> Run:
+    seconds = report["seconds"]
+    export_s = sum(value for stage, value in seconds.items() if stage != "start_workers")
+    return Run(size, name, wall, export_s=export_s, start_s=seconds.get("start_workers"), stages=seconds,
+               peak_rss=report["peak_rss_bytes"], floor_s=floor_s, verl_s=verl_s, nbytes=nbytes)
+
+
+def print_tables(runs: list[Run], ray_start_s: float, transport: dict[str, float], args) -> None:
+    print(f"\nmachine: {os.cpu_count()} CPUs; bucket size {args.bucket_size}; world size {args.world_size}; "
+          f"rayexport with --verify none; page cache warm")
+    print(f"Ray start-up (ray.init of a local instance, once for every rayexport run): {ray_start_s:.1f} s\n")
+    print("| size | run | wall s | export s | actor start s | x floor | x verl | MB/s | peak RSS MiB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for run in runs:
+        ratio_floor = f"{run.export_s / run.floor_s:.2f}" if run.floor_s else ""
+        ratio_verl = f"{run.wall_s / run.verl_s:.2f}" if run.verl_s else ""
+        rss = ", ".join(f"{name} {value / MiB:.0f}" for name, value in (run.peak_rss or {}).items())
+        start = f"{run.start_s:.1f}" if run.start_s is not None else ""
+        print(f"| {run.size} | {run.name} | {run.wall_s:.1f} | {run.export_s:.1f} | {start} | {ratio_floor} | "
+              f"{ratio_verl} | {run.nbytes / run.export_s / 1e6:.0f} | {rss} |")
+    print("\nexport s: rayexport's plan + load + transfer + commit stages (no Ray or actor start-up); "
+          "x floor: export s / the floor's seconds on the same storage; x verl: wall / verl's wall.")
+    print(f"\ngather transport on this node ({args.transport_mb} MiB buffer, 4 times):")
+    for name, rate in transport.items():
+        print(f"  {name}: {rate:.0f} MB/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
