@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import posixpath
+import shutil
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterator
 
@@ -46,6 +47,18 @@ def storage_options_from_env(explicit: dict[str, Any] | None = None) -> dict[str
     return options
 
 
+# Transient S3 faults (500, 502, 503 SlowDown, 504, dropped connections, timeouts) are retried
+# with exponential backoff and jitter (botocore's standard mode) up to this many attempts; a
+# persistent one then fails the call, naming the object, in bounded time. No call can hang:
+# connecting and each read have their own timeouts. `--storage-options` can override all three.
+S3_DEFAULTS: dict[str, Any] = {
+    "config_kwargs": {"retries": {"max_attempts": 5, "mode": "standard"}, "connect_timeout": 20, "read_timeout": 120},
+}
+
+
+DOWNLOAD_BLOCK = 16 * 2**20
+
+
 @dataclass
 class Store:
     """A URI prefix on any fsspec filesystem; names passed to its methods are relative to it."""
@@ -56,7 +69,7 @@ class Store:
     def __post_init__(self) -> None:
         self.uri = self.uri.rstrip("/") or self.uri
         protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
-        fs_options = self.options if protocol in ("s3", "s3a") else {}
+        fs_options = {**S3_DEFAULTS, **self.options} if protocol in ("s3", "s3a") else {}
         try:
             self.fs, self.root = url_to_fs(self.uri, **fs_options)
         except (ValueError, ImportError) as error:
@@ -114,7 +127,12 @@ class Store:
         if self.is_local:
             # Reading in place keeps a local checkpoint memory-mappable without a copy.
             raise ValueError("download() is for remote stores; use path() for local ones")
-        self._call("download", name, self.fs.get_file, self.path(name), local_path)
+        # Range reads of one block at a time: s3fs's get_file holds a whole object in memory.
+        def copy() -> None:
+            with self.fs.open(self.path(name), "rb", block_size=DOWNLOAD_BLOCK) as source, open(local_path, "wb") as target:
+                shutil.copyfileobj(source, target, DOWNLOAD_BLOCK)
+
+        self._call("download", name, copy)
 
     def delete(self, name: str) -> None:
         if self.exists(name):
