@@ -55,6 +55,7 @@ class ExportReport:
     # per worker: its peak memory above what it held before loading (the transfer window)
     working_memory_bytes: dict[str, int | None] = field(default_factory=dict)
     files_by_worker: dict[str, list[str]] = field(default_factory=dict)  # which worker wrote what
+    nodes: dict[str, str] = field(default_factory=dict)  # the Ray node each worker ran on
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)  # checkpoint entries that are not model tensors
@@ -102,6 +103,7 @@ def export(src: str, dst: str, **options: Any) -> ExportReport:
 def run_export(options: ExportOptions) -> ExportReport:
     """The whole export: plan, gather and write with Ray actors, verify, commit the manifest."""
     seconds: dict[str, float] = {}
+    job_deadline = time.monotonic() + options.deadline_s
     storage_options = storage_options_from_env(options.storage_options)
     source = Store(options.src, storage_options)
     destination = Store(options.dst, storage_options)
@@ -132,7 +134,7 @@ def run_export(options: ExportOptions) -> ExportReport:
     _ensure_ray(options)
     num_workers = _worker_count(options, checkpoint, ray.cluster_resources())
     backend = choose_backend(options.backend, ray.cluster_resources().get("GPU", 0), num_workers, options.num_gpus_per_worker)
-    group = WorkerGroup(num_workers, backend, options)
+    group = WorkerGroup(num_workers, backend, options, job_deadline)
     try:
         with _stage(seconds, "start_workers"):
             group.start()
@@ -169,7 +171,7 @@ def run_export(options: ExportOptions) -> ExportReport:
         pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code, source_finite=source_finite,
     )
     with _stage(seconds, "verify"):
-        verification = _verify(destination, expected, options)
+        verification = _verify(destination, expected, options, job_deadline)
     manifest = build_manifest(
         source=source.uri,
         layout=checkpoint.layout,
@@ -201,6 +203,7 @@ def run_export(options: ExportOptions) -> ExportReport:
         },
         working_memory_bytes={f"worker{stats['worker']}": stats["working_memory_bytes"] for stats in worker_stats},
         files_by_worker={f"worker{stats['worker']}": stats["files_written"] for stats in worker_stats},
+        nodes={f"worker{stats['worker']}": stats["node"] for stats in worker_stats},
         files=result["files"],
         verification=verification,
         skipped=list(getattr(checkpoint, "skipped", [])),
@@ -392,14 +395,15 @@ def _tied_pairs(aliases: dict[str, str], written: dict[str, Any]) -> list[tuple[
     return sorted((canonical, alias) for alias, canonical in aliases.items() if canonical in written)
 
 
-def _verify(destination: Store, expected: ExpectedExport, options: ExportOptions) -> dict[str, Any]:
+def _verify(destination: Store, expected: ExpectedExport, options: ExportOptions, job_deadline: float) -> dict[str, Any]:
     if expected.level == "none":
         return {"passed": None, "level": "none"}
     import ray
 
     task = ray.remote(num_cpus=1, max_retries=0)(verify_export)
-    reference = task.remote(destination, expected, options.timeout_s)
-    return _get([reference], options.timeout_s, on_failure=lambda: ray.cancel(reference, force=True))[0]
+    limit = _step_limit(options, job_deadline)
+    reference = task.remote(destination, expected, limit[0])
+    return _get([reference], limit, on_failure=lambda: ray.cancel(reference, force=True))[0]
 
 
 def _ensure_ray(options: ExportOptions) -> None:
@@ -414,19 +418,32 @@ def _ensure_ray(options: ExportOptions) -> None:
         ray.init(include_dashboard=False, logging_level=options.log_level, log_to_driver=True)
 
 
-def _get(references: list, timeout_s: float, on_failure) -> list:
-    """Wait for every reference; on the first error or at the deadline, call `on_failure` and
-    raise, so one dead worker ends the export at once instead of leaving others blocked."""
+def _step_limit(options: ExportOptions, job_deadline: float) -> tuple[float, str]:
+    """Seconds one step may take: --timeout, or less when the whole job's --deadline is nearer."""
+    remaining = job_deadline - time.monotonic()
+    deadline = f"--deadline {options.deadline_s:.0f} s for the whole export"
+    if remaining <= 0:
+        raise ExportError(f"export timed out: past its {deadline}")
+    if remaining < options.timeout_s:
+        return remaining, deadline
+    return options.timeout_s, "--timeout"
+
+
+def _get(references: list, limit: tuple[float, str], on_failure) -> list:
+    """Wait for every reference; on the first error or when the step's time `limit` (seconds,
+    and the option that set it) runs out, call `on_failure` and raise, so one dead worker ends
+    the export at once instead of leaving others blocked."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+    timeout_s, source = limit
     deadline = time.monotonic() + timeout_s
     pending = list(references)
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise GetTimeoutError(f"no answer within {timeout_s:.0f} s (--timeout)")
+                raise GetTimeoutError(f"no answer within {timeout_s:.0f} s ({source})")
             ray.get(ready[0])
         return ray.get(list(references))
     except RayTaskError as error:
@@ -446,7 +463,8 @@ def _get(references: list, timeout_s: float, on_failure) -> list:
 class WorkerGroup:
     """The export's placement group and actors; `shutdown()` always removes both."""
 
-    def __init__(self, size: int, backend: str, options: ExportOptions) -> None:
+    def __init__(self, size: int, backend: str, options: ExportOptions, job_deadline: float) -> None:
+        self.job_deadline = job_deadline
         self.size = size
         self.backend = backend
         self.options = options
@@ -464,7 +482,8 @@ class WorkerGroup:
         bundle = {"CPU": self.options.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         self.placement_group = placement_group([bundle] * self.size, strategy="PACK")
         ready = self.placement_group.ready()
-        if not ray.wait([ready], timeout=min(self.options.timeout_s, 120))[0]:
+        if not ray.wait([ready], timeout=min(_step_limit(self.options, self.job_deadline)[0], 120))[0]:
+            _step_limit(self.options, self.job_deadline)  # past the job's deadline: say that
             raise ExportError(
                 f"the Ray cluster cannot place {self.size} worker(s) of {bundle}; "
                 f"free resources: {ray.available_resources()}"
@@ -606,4 +625,4 @@ class WorkerGroup:
             self.placement_group = None
 
     def _get(self, references: list) -> list:
-        return _get(references, self.options.timeout_s, on_failure=lambda: self.shutdown(graceful=False))
+        return _get(references, _step_limit(self.options, self.job_deadline), on_failure=lambda: self.shutdown(graceful=False))

@@ -47,6 +47,7 @@ class ExportOptions:
     verify: str = "auto"
     force: bool = False
     timeout_s: float = 1800.0
+    deadline_s: float = 86400.0  # the whole export, start to commit
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float | None = None  # None: one per worker with nccl, none with gloo
     log_level: str = "INFO"
@@ -71,6 +72,8 @@ class ExportOptions:
         self.max_shard_size = parse_size(self.max_shard_size)
         if self.workers is not None and self.workers < 1:
             raise ExportError(f"--workers must be at least 1, not {self.workers}")
+        if self.timeout_s <= 0 or self.deadline_s <= 0:
+            raise ExportError("--timeout and --deadline must be positive")
         if self.writers < 1:
             raise ExportError(f"--writers must be at least 1, not {self.writers}")
         if self.bucket_size < 1:

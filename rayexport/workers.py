@@ -201,9 +201,11 @@ class ExportWorker:
         process held before it loaded anything (None where Linux's peak reset is missing)."""
         peak = peak_rss_bytes()
         working = peak - self.resident_before_load if self.resident_before_load is not None else None
+        import ray
+
         return {
-            "worker": self.index, "bytes_read": self.bytes_read, "peak_rss_bytes": max(self.earlier_peak_rss, peak),
-            "working_memory_bytes": working, **extra,
+            "worker": self.index, "node": ray.get_runtime_context().get_node_id(), "bytes_read": self.bytes_read,
+            "peak_rss_bytes": max(self.earlier_peak_rss, peak), "working_memory_bytes": working, **extra,
         }
 
     def _start_measuring(self) -> None:

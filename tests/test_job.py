@@ -1,8 +1,14 @@
-"""Orchestration choices that need no cluster. No GPU exists on the test machines, so the GPU
-counts here are given, not detected: the NCCL path itself runs only where a GPU is lent."""
+"""Orchestration choices (most need no cluster) and the whole job's deadline. No GPU exists on
+the test machines, so the GPU counts here are given, not detected: the NCCL path itself runs
+only where a GPU is lent."""
 
-from rayexport.job import choose_backend, verify_level
-from rayexport.options import FULL_VERIFY_LIMIT
+import time
+
+import pytest
+
+from rayexport.errors import ExportError
+from rayexport.job import _step_limit, choose_backend, export, verify_level
+from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
 
 
 def test_auto_backend_takes_nccl_only_with_a_gpu_per_worker():
@@ -24,3 +30,20 @@ def test_auto_verification_is_full_for_models_that_fit():
     assert verify_level("auto", FULL_VERIFY_LIMIT) == "full"
     assert verify_level("auto", FULL_VERIFY_LIMIT + 1) == "quick"
     assert verify_level("none", 10) == "none"
+
+
+def test_a_step_gets_the_timeout_unless_the_job_deadline_is_nearer():
+    options = ExportOptions(src="a", dst="b", timeout_s=60, deadline_s=600)
+    assert _step_limit(options, time.monotonic() + 600) == (60, "--timeout")
+    seconds, source = _step_limit(options, time.monotonic() + 5)
+    assert 4 < seconds <= 5 and source.startswith("--deadline 600 s")
+    with pytest.raises(ExportError, match="past its --deadline 600 s"):
+        _step_limit(options, time.monotonic() - 1)
+
+
+def test_an_export_past_its_deadline_stops_and_commits_nothing(checkpoints, ray_address, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(ExportError, match="timed out.*--deadline 1 s for the whole export"):
+        export(checkpoints["tied"].path, str(tmp_path / "out"), deadline_s=1, verify="none")
+    assert time.monotonic() - started < 30
+    assert not (tmp_path / "out" / "export_manifest.json").exists()
