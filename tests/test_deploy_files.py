@@ -357,10 +357,11 @@ def _job_status(api: str, token: str, job_id: str) -> str:
         return json.load(response)["status"]
 
 
-def test_local_up_and_down(monkeypatch):
-    """infra/local-up.sh starts a Ray head (token auth) and moto on 127.0.0.1; a job submitted
-    with the printed variables runs; without RAY_AUTH_MODE the same client is refused;
-    infra/local-down.sh, run while that job still runs, leaves no process of the stack behind."""
+def test_local_up_and_down(monkeypatch, checkpoints):
+    """infra/local-up.sh starts a Ray head (token auth) and moto on 127.0.0.1; an export
+    submitted with `ray job submit` and the printed variables succeeds and verifies; without
+    RAY_AUTH_MODE the same client is refused; infra/local-down.sh, run while a job still runs,
+    leaves no process of the stack behind."""
     bin_dir = Path(sys.executable).parent
     for tool in ("ray", "moto_server"):
         if not (bin_dir / tool).exists() and not shutil.which(tool):
@@ -409,6 +410,28 @@ def test_local_up_and_down(monkeypatch):
                           aws_access_key_id=printed["AWS_ACCESS_KEY_ID"], aws_secret_access_key=printed["AWS_SECRET_ACCESS_KEY"])
         s3.head_bucket(Bucket="rayexport-local")
 
+        # A real export as jobs/README.md shows it: `ray job submit -- python -m rayexport.run`,
+        # S3 to S3 on the stack's endpoint, then checked from here.
+        source = Path(checkpoints["tied"].path)
+        for path in source.rglob("*"):
+            if path.is_file():
+                s3.upload_file(str(path), "rayexport-local", f"ckpt/{path.relative_to(source)}")
+        job_vars = {key: printed[key] for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+        exported = run(
+            ["ray", "job", "submit", "--submission-id", "rx-export", "--runtime-env-json",
+             json.dumps({"env_vars": job_vars}), "--", "python", "-m", "rayexport.run",
+             "--src", "s3://rayexport-local/ckpt", "--dst", "s3://rayexport-local/export", "--workers", "1", "--verify", "quick"],
+            {**base_env, **printed}, timeout=300,
+        )
+        assert exported.returncode == 0, exported.stdout[-3000:] + exported.stderr[-3000:]
+        assert _job_status(api, token, "rx-export") == "SUCCEEDED"
+        from rayexport.verify import verify_uri
+
+        checked = verify_uri("s3://rayexport-local/export", storage_options={
+            "endpoint_url": endpoint, "key": printed["AWS_ACCESS_KEY_ID"], "secret": printed["AWS_SECRET_ACCESS_KEY"],
+        })
+        assert checked["level"] == "quick" and "tensors" in checked["checks"]
+
         # What jobs/README.md says: the client sends no token without RAY_AUTH_MODE=token.
         no_mode = {**base_env, "RAY_API_SERVER_ADDRESS": api}
         refused = run(["ray", "job", "list"], no_mode, timeout=60)
@@ -442,4 +465,4 @@ def test_local_up_and_down(monkeypatch):
                     except ProcessLookupError:
                         pass
         shutil.rmtree(state_dir, ignore_errors=True)
-    assert time.monotonic() - started < 120, "the local stack took too long to start and stop"
+    assert time.monotonic() - started < 240, "the local stack took too long to start, export and stop"
