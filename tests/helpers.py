@@ -3,6 +3,8 @@ and reloading an export in a fresh process."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -83,6 +85,17 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "rayexport.run", *args],
         capture_output=True, text=True, timeout=timeout, env=dict(os.environ),
     )
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    """The CLI's `main(ARGS)` in this process (joined to the session's Ray): its exit code and
+    what it printed, shaped like `run_cli`'s result."""
+    from rayexport.run import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def reload(path: str) -> dict:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import download, reload, reload_in_fresh_process, run_cli
+from helpers import download, reload, reload_in_fresh_process, run_cli, run_main
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -79,7 +79,7 @@ def test_bfloat16_output_and_several_shard_files(checkpoints, s3_checkpoints, s3
 
 def test_local_paths_work_too(checkpoints, tmp_path):
     destination = tmp_path / "out"
-    completed = run_cli("--src", checkpoints["untied"].path, "--dst", str(destination), "--workers", "3", "--verify", "quick")
+    completed = run_main("--src", checkpoints["untied"].path, "--dst", str(destination), "--workers", "3", "--verify", "quick")
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "committed:" in completed.stdout
     torch.testing.assert_close(
@@ -89,8 +89,8 @@ def test_local_paths_work_too(checkpoints, tmp_path):
 
 def test_rerun_of_a_committed_export_does_nothing(checkpoints, tmp_path):
     destination = str(tmp_path / "out")
-    assert run_cli("--src", checkpoints["tied"].path, "--dst", destination, "--verify", "none").returncode == 0
-    again = run_cli("--src", checkpoints["tied"].path, "--dst", destination, "--verify", "none")
+    assert run_main("--src", checkpoints["tied"].path, "--dst", destination, "--verify", "none").returncode == 0
+    again = run_main("--src", checkpoints["tied"].path, "--dst", destination, "--verify", "none")
     assert again.returncode == 0 and "already holds a committed export" in again.stdout
-    other = run_cli("--src", checkpoints["untied"].path, "--dst", destination, "--verify", "none")
+    other = run_main("--src", checkpoints["untied"].path, "--dst", destination, "--verify", "none")
     assert other.returncode == 1 and "--force" in other.stderr

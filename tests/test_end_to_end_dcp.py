@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dcp_writer import DcpJob, write_dcp_checkpoints
-from helpers import download, reload, run_cli, s3_exists, upload
+from helpers import download, reload, run_main, s3_exists, upload
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -35,10 +35,11 @@ def dcp_checkpoints(tmp_path_factory, s3_endpoint):
 @pytest.mark.parametrize("name", ["tied", "untied"])
 def test_dcp_export_matches_the_original(dcp_checkpoints, s3_prefix, tmp_path, name):
     checkpoint = dcp_checkpoints[name]
-    completed = run_cli("--src", checkpoint["uri"], "--dst", s3_prefix, "--workers", "2", "--report", "-",
-                        *(["--verify", "none"] if name == "untied" else []))
+    report_path = tmp_path / "report.json"
+    completed = run_main("--src", checkpoint["uri"], "--dst", s3_prefix, "--workers", "2", "--report", str(report_path),
+                         *(["--verify", "none"] if name == "untied" else []))
     assert completed.returncode == 0, completed.stderr[-3000:]
-    report = json.loads(completed.stdout[completed.stdout.index("{"):])
+    report = json.loads(report_path.read_text())
     assert report["layout"] == "dcp" and report["workers"] == 2 and report["world_size"] == 3
     if name == "tied":
         assert report["skipped"] and all(key.startswith("optim") for key in report["skipped"])
@@ -52,10 +53,10 @@ def test_config_from_hf_config_when_the_prefix_has_none(dcp_checkpoints, s3_pref
     source = shutil.copytree(dcp_checkpoints["untied"]["local"], tmp_path / "ckpt")
     shutil.move(source / "huggingface", tmp_path / "hf")
     src = upload(str(source), f"{s3_prefix}-src")
-    refused = run_cli("--src", src, "--dst", s3_prefix)
+    refused = run_main("--src", src, "--dst", s3_prefix)
     assert refused.returncode == 1 and "--hf-config" in refused.stderr
     hf = upload(str(tmp_path / "hf"), f"{s3_prefix}-hf")
-    completed = run_cli("--src", src, "--dst", s3_prefix, "--hf-config", hf, "--verify", "quick")
+    completed = run_main("--src", src, "--dst", s3_prefix, "--hf-config", hf, "--verify", "quick")
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert s3_exists(f"{s3_prefix}/export_manifest.json") and s3_exists(f"{s3_prefix}/tokenizer.json")
 
@@ -67,7 +68,7 @@ def test_config_from_hf_config_when_the_prefix_has_none(dcp_checkpoints, s3_pref
 def test_broken_metadata(dcp_checkpoints, tmp_path, damage, fragment):
     source = shutil.copytree(dcp_checkpoints["untied"]["local"], tmp_path / "ckpt")
     damage(source)
-    completed = run_cli("--src", str(source), "--dst", str(tmp_path / "out"))
+    completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"))
     assert completed.returncode == 1 and fragment in completed.stderr, completed.stderr[-2000:]
     assert not (tmp_path / "out" / "export_manifest.json").exists()
 
@@ -76,7 +77,7 @@ def test_dcp_keys_that_do_not_match_the_config(dcp_checkpoints, tmp_path):
     source = shutil.copytree(dcp_checkpoints["untied"]["local"], tmp_path / "ckpt")
     shutil.rmtree(source / "huggingface")
     shutil.copytree(dcp_checkpoints["tied"]["local"] + "/huggingface", source / "huggingface")
-    completed = run_cli("--src", str(source), "--dst", str(tmp_path / "out"), "--layout", "dcp")
+    completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"), "--layout", "dcp")
     assert completed.returncode == 1
     assert "rayexport: error:" in completed.stderr and "config" in completed.stderr.splitlines()[-1]
     assert not (tmp_path / "out" / "export_manifest.json").exists()

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import download, reload, reload_in_fresh_process, run_cli, upload
+from helpers import download, reload, reload_in_fresh_process, run_main, upload
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
 
 def export(src: str, dst: str, tmp_path, *extra: str) -> str:
-    completed = run_cli("--src", src, "--dst", dst, "--workers", "2", *extra)
+    completed = run_main("--src", src, "--dst", dst, "--workers", "2", *extra)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return download(dst, str(tmp_path / "export"))
 
@@ -83,7 +83,7 @@ def test_both_mode_writes_merged_model_and_adapter(lora_checkpoints, s3_lora, s3
 
 def test_lora_only_checkpoint_needs_and_uses_the_base_model(lora_checkpoints, s3_lora, s3_prefix, tmp_path):
     written = lora_checkpoints["lora_only"]
-    refused = run_cli("--src", s3_lora["lora_only"], "--dst", s3_prefix)
+    refused = run_main("--src", s3_lora["lora_only"], "--dst", s3_prefix)
     assert refused.returncode == 1 and "--base-model" in refused.stderr
     base = upload(written.base_model, f"{s3_lora['lora_only']}-base")
     local = export(s3_lora["lora_only"], s3_prefix, tmp_path, "--base-model", base, "--verify", "none")
@@ -114,7 +114,7 @@ def test_code_missing_from_huggingface_folder_comes_from_base_model(lora_checkpo
     shutil.copy(f"{written.base_model}/configuration_tiny.py", source / "huggingface" / "configuration_tiny.py")
     src = upload(str(source), f"{s3_prefix}-src")
     base = upload(written.base_model, f"{s3_prefix}-base")
-    without = run_cli("--src", src, "--dst", s3_prefix, "--trust-remote-code")
+    without = run_main("--src", src, "--dst", s3_prefix, "--trust-remote-code")
     assert without.returncode == 1 and "modeling_tiny" in without.stderr
     local = export(src, s3_prefix, tmp_path, "--base-model", base, "--trust-remote-code", "--verify", "none")
     assert os.path.exists(f"{local}/modeling_tiny.py")

@@ -1,5 +1,8 @@
 """Bad input through the CLI: one clear line naming what is wrong, a non-zero exit, and no
-manifest at the destination."""
+manifest at the destination. Most cases call the CLI's main() in this process (`run_main`),
+which prints and exits exactly as `python -m rayexport.run` does without paying a new
+interpreter's start-up; the cases about stderr, logging and argument errors run the real
+command."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import run_cli, s3_exists
+from helpers import run_cli, run_main, s3_exists
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -55,21 +58,21 @@ def test_missing_source_on_s3(s3_prefix, tmp_path):
 
 def test_missing_rank_file(broken_copy, tmp_path):
     os.remove(broken_copy / "model_world_size_3_rank_1.pt")
-    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
+    assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
                  "missing rank file", "model_world_size_3_rank_1.pt")
     assert not (tmp_path / "out").exists()
 
 
 def test_world_size_disagrees_with_files(broken_copy, tmp_path):
     (broken_copy / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
-    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
+    assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
                  "world_size 4", "world size 3")
 
 
 def test_corrupt_rank_file(broken_copy, tmp_path):
     rank_file = broken_copy / "model_world_size_3_rank_2.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:1000])
-    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
+    assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
                  "model_world_size_3_rank_2.pt", "cannot be loaded")
     assert not (tmp_path / "out" / "export_manifest.json").exists()
 
@@ -82,7 +85,7 @@ def test_partial_placement_is_refused(checkpoints, tmp_path):
         [sys.executable, "-c", PARTIAL_WRITER, f"{source}/model_world_size_1_rank_0.pt", str(tmp_path / "pg")],
         check=True, capture_output=True,
     )
-    assert_fails(run_cli("--src", source, "--dst", str(tmp_path / "out")),
+    assert_fails(run_main("--src", source, "--dst", str(tmp_path / "out")),
                  "model.norm.weight", "Partial")
     assert not (tmp_path / "out" / "export_manifest.json").exists()
 
@@ -90,12 +93,12 @@ def test_partial_placement_is_refused(checkpoints, tmp_path):
 def test_unwritable_destination(checkpoints, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    assert_fails(run_cli("--src", checkpoints["tied"].path, "--dst", str(blocker / "out")), str(blocker / "out"))
+    assert_fails(run_main("--src", checkpoints["tied"].path, "--dst", str(blocker / "out")), str(blocker / "out"))
 
 
 def test_unwritable_s3_bucket(s3_checkpoints):
     destination = "s3://no-such-bucket-rayexport/out"
-    assert_fails(run_cli("--src", s3_checkpoints["tied"], "--dst", destination), destination)
+    assert_fails(run_main("--src", s3_checkpoints["tied"], "--dst", destination), destination)
     assert not s3_exists(f"{destination}/export_manifest.json")
 
 
@@ -120,7 +123,7 @@ def test_malicious_pickle_is_refused(broken_copy, tmp_path):
     import torch
 
     torch.save({"model.norm.weight": Exploit()}, torch_file, pickle_protocol=pickle.DEFAULT_PROTOCOL)
-    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
+    assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
                  "model_world_size_3_rank_1.pt", "cannot be loaded")
     assert not (tmp_path / "pwned").exists()
 
@@ -141,7 +144,7 @@ def test_nan_weights_warn_or_fail_under_strict(broken_copy, tmp_path):
         if rank == 1:
             poison(state)
         torch.save(state, path)
-    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "strict"), "--strict"),
+    assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "strict"), "--strict"),
                  "model.norm.weight", "NaN or Inf")
     warned = run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "warned"), "--verify", "quick")
     assert warned.returncode == 0, warned.stderr[-2000:]
@@ -152,10 +155,10 @@ def test_nan_weights_warn_or_fail_under_strict(broken_copy, tmp_path):
 def test_empty_prefix_unknown_scheme_bad_config(broken_copy, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert_fails(run_cli("--src", str(empty), "--dst", str(tmp_path / "o1")), "is empty")
-    assert_fails(run_cli("--src", "nosuchscheme://bucket/x", "--dst", str(tmp_path / "o2")), "nosuchscheme://bucket/x")
+    assert_fails(run_main("--src", str(empty), "--dst", str(tmp_path / "o1")), "is empty")
+    assert_fails(run_main("--src", "nosuchscheme://bucket/x", "--dst", str(tmp_path / "o2")), "nosuchscheme://bucket/x")
     (broken_copy / "huggingface" / "config.json").write_text("{not json")
-    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "o3")), "config.json", "not valid JSON")
+    assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "o3")), "config.json", "not valid JSON")
 
 
 @pytest.mark.parametrize("change, fragments", [
@@ -167,11 +170,11 @@ def test_config_that_does_not_match_the_weights(broken_copy, tmp_path, change, f
     config = json.loads(config_path.read_text())
     config.update(change)
     config_path.write_text(json.dumps({key: value for key, value in config.items() if value is not None}))
-    assert_fails(run_cli("--src", str(broken_copy), "--dst", str(tmp_path / "out")), *fragments)
+    assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")), *fragments)
 
 
 def test_destination_inside_source(checkpoints):
-    assert_fails(run_cli("--src", checkpoints["tied"].path, "--dst", checkpoints["tied"].path + "/export"),
+    assert_fails(run_main("--src", checkpoints["tied"].path, "--dst", checkpoints["tied"].path + "/export"),
                  "is inside source")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from helpers import run_cli, s3_exists, upload
+from helpers import run_cli, run_main, s3_exists, upload
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.watch import CLAIM_NAME, Candidate, claim, destination_for, find_candidates, watch_once
 
@@ -32,7 +32,7 @@ def test_passes_export_each_complete_checkpoint_once(checkpoints, ray_address, s
     second = watch_once(root, "global_step_*/actor", template, options, storage, settle_s=0.2)
     assert statuses(second) == [(100, "already exported"), (200, "already exported"), (300, "exported")]
 
-    restarted = run_cli("--watch", root, "--dst-template", template, "--once", "--settle", "0.2", "--verify", "none")
+    restarted = run_main("--watch", root, "--dst-template", template, "--once", "--settle", "0.2", "--verify", "none")
     assert restarted.returncode == 0, restarted.stderr[-2000:]
     assert restarted.stdout.count("already exported") == 3 and "exported:" not in restarted.stdout.replace("already exported:", "")
 
