@@ -11,8 +11,9 @@ over HTTP, then times on the same bytes:
      separate virtualenv the script creates (benchmarks/.venv-verl), local only;
   3. rayexport with 1, 2 and 4 workers, local and S3, through the CLI as a user runs it,
      joined to one Ray instance whose start-up is reported on its own line.
-It also measures the gather transports on this node (gloo point-to-point against Ray's
-shared-memory object store) and prints markdown tables. Nothing here asserts a time.
+It also measures worker start-up for exports in a row with and without a warm pool, and the
+gather transports on this node (gloo point-to-point against Ray's shared-memory object store),
+and prints markdown tables. Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -189,6 +190,27 @@ def transport_bench(megabytes: int, repeats: int) -> dict[str, float]:
     return {"gloo send/recv": total / gloo_s, "Ray object store put/get": total / object_store_s}
 
 
+# --- start-up with and without a warm pool -------------------------------------------------------
+
+
+def startup_bench(src: str, out: str, workers: int, exports: int) -> dict[str, list[float]]:
+    """Seconds of the start_workers stage (actors and process group) for `exports` exports in a
+    row through `export_remote`, as an RL loop calls it: without a pool, and with one."""
+    import ray
+
+    from rayexport import close_pool, export_remote
+
+    seconds: dict[str, list[float]] = {}
+    for label, pool in (("no pool", None), ("warm pool", "bench")):
+        seconds[label] = []
+        for index in range(exports):
+            report = ray.get(export_remote(src, f"{out}-{index}", workers=workers, verify="none", force=True, pool=pool))
+            seconds[label].append(report.seconds["start_workers"])
+            shutil.rmtree(f"{out}-{index}", ignore_errors=True)
+    close_pool("bench")
+    return seconds
+
+
 # --- the benchmark ---------------------------------------------------------------------------------
 
 
@@ -210,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-verl", action="store_true")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--transport-mb", type=int, default=256, help="buffer size of the transport comparison")
+    parser.add_argument("--startup-exports", type=int, default=3, help="exports in a row for the warm-pool comparison")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     args = parser.parse_args(argv)
     sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
@@ -274,14 +297,17 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(_rayexport_row(size, _label(workers, writers, "S3"), wall, report, s3_floor_s, None, nbytes))
                     remove(s3_out, s3)
                 remove(s3_src, s3)
+        first = os.path.join(args.workdir, f"ckpt-{sizes[0]}", "global_step_1", "actor")
+        startup = startup_bench(first, os.path.join(args.workdir, "startup"), max(worker_counts), args.startup_exports)
     finally:
         ray.shutdown()
         if server is not None:
             server.terminate()
-    print_tables(runs, ray_start_s, transport, args)
+    print_tables(runs, ray_start_s, transport, startup, args)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"ray_start_s": ray_start_s, "transport_mb_s": transport, "runs": [run.__dict__ for run in runs]}, handle, indent=2)
+            json.dump({"ray_start_s": ray_start_s, "transport_mb_s": transport, "startup_s": startup,
+                       "runs": [run.__dict__ for run in runs]}, handle, indent=2)
     return 0
 
 
@@ -296,7 +322,7 @@ def _rayexport_row(size: str, name: str, wall: float, report: dict, floor_s: flo
                peak_rss=report["peak_rss_bytes"], floor_s=floor_s, verl_s=verl_s, nbytes=nbytes)
 
 
-def print_tables(runs: list[Run], ray_start_s: float, transport: dict[str, float], args) -> None:
+def print_tables(runs: list[Run], ray_start_s: float, transport: dict[str, float], startup: dict[str, list[float]], args) -> None:
     print(f"\nmachine: {os.cpu_count()} CPUs; bucket size {args.bucket_size}; world size {args.world_size}; "
           f"rayexport with --verify none; page cache warm")
     print(f"Ray start-up (ray.init of a local instance, once for every rayexport run): {ray_start_s:.1f} s\n")
@@ -311,6 +337,10 @@ def print_tables(runs: list[Run], ray_start_s: float, transport: dict[str, float
               f"{ratio_verl} | {run.nbytes / run.export_s / 1e6:.0f} | {rss} |")
     print("\nexport s: rayexport's plan + load + transfer + commit stages (no Ray or actor start-up); "
           "x floor: export s / the floor's seconds on the same storage; x verl: wall / verl's wall.")
+    print(f"\nworker start-up (actors and process group) for {args.startup_exports} exports in a row of the "
+          f"{args.sizes.split(',')[0]} checkpoint with export_remote, {max(int(c) for c in args.workers.split(','))} workers:")
+    for label, values in startup.items():
+        print(f"  {label}: " + ", ".join(f"{value:.2f} s" for value in values))
     print(f"\ngather transport on this node ({args.transport_mb} MiB buffer, 4 times):")
     for name, rate in transport.items():
         print(f"  {name}: {rate:.0f} MB/s")
