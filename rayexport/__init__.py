@@ -3,6 +3,7 @@
 from rayexport.errors import ExportError
 from rayexport.job import ExportReport, export
 from rayexport.options import ExportOptions
+from rayexport.pool import close_pool
 from rayexport.remote import ExportFailed, export_remote
 
-__all__ = ["ExportError", "ExportFailed", "ExportOptions", "ExportReport", "export", "export_remote"]
+__all__ = ["ExportError", "ExportFailed", "ExportOptions", "ExportReport", "close_pool", "export", "export_remote"]

@@ -25,6 +25,7 @@ from rayexport.model import (
 )
 from rayexport.remote_code import auto_map_files, bundle_model_code
 from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
+from rayexport.pool import IdleGroup, get_keeper, group_shape
 from rayexport.plan import (
     BASE_MODEL_RANK, LoraRequest, Piece, ShardFile, TensorPlanning, assign_ranks, holders_from_ranks,
     TransferPlan, keep_ties_together, needed_ranks, plan_holdings, plan_shard_files, plan_transfer, safetensors_order,
@@ -55,7 +56,8 @@ class ExportReport:
     # per worker: its peak memory above what it held before loading (the transfer window)
     working_memory_bytes: dict[str, int | None] = field(default_factory=dict)
     files_by_worker: dict[str, list[str]] = field(default_factory=dict)  # which worker wrote what
-    nodes: dict[str, str] = field(default_factory=dict)  # the Ray node each worker ran on
+    placement: dict[str, dict[str, Any]] = field(default_factory=dict)  # each worker's Ray node and process
+    warm_start: bool = False  # the workers came from a warm pool
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)  # checkpoint entries that are not model tensors
@@ -203,7 +205,8 @@ def run_export(options: ExportOptions) -> ExportReport:
         },
         working_memory_bytes={f"worker{stats['worker']}": stats["working_memory_bytes"] for stats in worker_stats},
         files_by_worker={f"worker{stats['worker']}": stats["files_written"] for stats in worker_stats},
-        nodes={f"worker{stats['worker']}": stats["node"] for stats in worker_stats},
+        placement={f"worker{stats['worker']}": {"node": stats["node"], "pid": stats["pid"]} for stats in worker_stats},
+        warm_start=group.reused,
         files=result["files"],
         verification=verification,
         skipped=list(getattr(checkpoint, "skipped", [])),
@@ -461,7 +464,8 @@ def _get(references: list, limit: tuple[float, str], on_failure) -> list:
 
 
 class WorkerGroup:
-    """The export's placement group and actors; `shutdown()` always removes both."""
+    """The export's placement group and actors; `shutdown()` removes both, or with a warm pool
+    (`options.pool`) hands a healthy group back to the pool for the next export."""
 
     def __init__(self, size: int, backend: str, options: ExportOptions, job_deadline: float) -> None:
         self.job_deadline = job_deadline
@@ -470,17 +474,38 @@ class WorkerGroup:
         self.options = options
         self.actors: list = []
         self.placement_group = None
+        self.gpus = options.num_gpus_per_worker if options.num_gpus_per_worker is not None else int(backend == "nccl")
+        self.shape = group_shape(size, backend, options.num_cpus_per_worker, self.gpus)
+        self.keeper = None
+        self.reused = False
 
     def start(self) -> None:
+        """Take an idle group from the warm pool if there is one of this shape, else start one:
+        a placement group, the actors, and their process group."""
+        if self.options.pool:
+            import ray
+
+            self.keeper = get_keeper(self.options.pool)
+            idle = ray.get(self.keeper.take.remote(self.shape), timeout=self.options.timeout_s)
+            if idle is not None:
+                self.actors, self.placement_group = idle.actors, idle.placement_group
+                try:
+                    self._get([actor.reset.remote() for actor in self.actors])
+                    self.reused = True
+                    return
+                except ExportError as error:  # a pooled worker died while idle: start afresh
+                    log.warning("a pooled worker group of %s is gone (%s); starting a new one", self.options.pool, error)
+        self._start_new()
+
+    def _start_new(self) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        gpus = self.options.num_gpus_per_worker
-        if gpus is None:
-            gpus = 1 if self.backend == "nccl" else 0
+        gpus = self.gpus
+        lifetime = {"lifetime": "detached"} if self.options.pool else {}  # outlive this driver or task
         bundle = {"CPU": self.options.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        self.placement_group = placement_group([bundle] * self.size, strategy="PACK")
+        self.placement_group = placement_group([bundle] * self.size, strategy="PACK", **lifetime)
         ready = self.placement_group.ready()
         if not ray.wait([ready], timeout=min(_step_limit(self.options, self.job_deadline)[0], 120))[0]:
             _step_limit(self.options, self.job_deadline)  # past the job's deadline: say that
@@ -496,6 +521,7 @@ class WorkerGroup:
                     num_cpus=self.options.num_cpus_per_worker,
                     num_gpus=gpus,
                     max_restarts=0,
+                    **lifetime,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.placement_group, placement_group_bundle_index=index
                     ),
@@ -608,10 +634,17 @@ class WorkerGroup:
 
     def shutdown(self, graceful: bool = True) -> None:
         """Remove the actors (letting them leave the group and drop spooled files when
-        `graceful`) and the placement group."""
+        `graceful`) and the placement group; with a warm pool, a graceful end instead resets
+        the actors and returns the group to the pool."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if graceful and self.keeper is not None and self.actors:
+            with contextlib.suppress(ExportError):
+                self._get([actor.reset.remote() for actor in self.actors])
+                ray.get(self.keeper.give.remote(self.shape, IdleGroup(self.actors, self.placement_group)))
+                self.actors, self.placement_group = [], None
+                return
         if graceful and self.actors:
             closing = [actor.close.remote() for actor in self.actors]
             ray.wait(closing, num_returns=len(closing), timeout=30)

@@ -61,6 +61,7 @@ class ExportOptions:
     layout: str = "auto"
     hf_config: str | None = None
     dcp_prefix: str | None = None
+    pool: str | None = None  # a warm pool's name: reuse its idle workers, and leave them there
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="deadline in seconds for each distributed step and the verification")
     parser.add_argument("--deadline", type=float, default=86400.0, dest="deadline_s",
                         help="deadline in seconds for the whole export, start to commit (default 1 day)")
+    parser.add_argument("--pool", metavar="NAME",
+                        help="keep the worker actors alive in the warm pool NAME for the next export (see README)")
     parser.add_argument("--num-cpus-per-worker", type=float, default=1.0)
     parser.add_argument("--num-gpus-per-worker", type=float, help="default: 1 with nccl, 0 with gloo")
     parser.add_argument("--report", metavar="PATH|-", help="write the report as JSON to PATH or stdout")
@@ -72,7 +74,7 @@ OPTION_NAMES = (
     "workers", "writers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
     "trust_remote_code", "verify", "force", "timeout_s", "deadline_s", "num_cpus_per_worker", "num_gpus_per_worker", "log_level",
     "lora", "base_model", "lora_alpha", "lora_rslora", "untie", "strict", "unsafe_pickle",
-    "layout", "hf_config", "dcp_prefix",
+    "layout", "hf_config", "dcp_prefix", "pool",
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import resource
 import shutil
 import tempfile
@@ -204,7 +205,8 @@ class ExportWorker:
         import ray
 
         return {
-            "worker": self.index, "node": ray.get_runtime_context().get_node_id(), "bytes_read": self.bytes_read,
+            "worker": self.index, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+            "bytes_read": self.bytes_read,
             "peak_rss_bytes": max(self.earlier_peak_rss, peak), "working_memory_bytes": working, **extra,
         }
 
@@ -217,6 +219,16 @@ class ExportWorker:
     def release_pages(self) -> None:
         """Give back the pages of the mapped rank files read so far (they stay cached)."""
         release_pages(self.mapped)
+
+    def reset(self) -> None:
+        """Forget the last export (a pooled worker waiting for the next one): its tensors, mapped
+        files, counters and spooled files. The process group stays."""
+        self.states.clear()
+        self.mapped = []
+        self.bytes_read = 0
+        self.resident_before_load = None
+        shutil.rmtree(self.spool_dir, ignore_errors=True)
+        os.makedirs(self.spool_dir)
 
     def close(self) -> None:
         transport.leave_group()

@@ -25,7 +25,7 @@ try:
     from rayexport.job import export
 
     report = export(sys.argv[1], sys.argv[2], workers=2, verify="quick")
-    print("REPORT " + json.dumps({"nodes": report.nodes, "cluster_nodes": len(ray.nodes()),
+    print("REPORT " + json.dumps({"nodes": {worker: where["node"] for worker, where in report.placement.items()}, "cluster_nodes": len(ray.nodes()),
                                   "checks": list(report.verification.get("checks", {}))}))
 finally:
     ray.shutdown()
