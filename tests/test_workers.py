@@ -1,14 +1,23 @@
-"""rayexport.workers: a worker's memory stays at the transfer window, whatever it reads.
+"""rayexport.workers: a worker's memory stays at the transfer window, whatever it reads; and a
+worker that dies mid-gather ends the export within seconds, taking the others with it.
 
 Sizes are small enough for this machine but chosen so the bound is far below what each worker
 reads: a worker that held its rank file's pages, or buffered more than the window, fails."""
 
 import json
+import os
+import signal
+import threading
+import time
 
+import psutil
+import pytest
+import ray
 import torch
 from safetensors import safe_open
 
 from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
+from rayexport.errors import ExportError
 from rayexport.job import export
 
 MiB = 2**20
@@ -19,10 +28,16 @@ BUCKET = 8 * MiB
 HEADROOM = 40 * MiB
 
 
-def test_workers_hold_a_bounded_window_and_two_writers_split_the_files(tmp_path, ray_address):
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """A 160 MB world-size-2 checkpoint: 80 MB of rank file per worker."""
     config = sized_llama_config(160 * 10**6, hidden_size=512, vocab_size=2048, dtype="float32")
-    source = tmp_path / "actor"
-    checkpoint_bytes = write_synthetic_checkpoint(config, str(source), world_size=2)
+    source = tmp_path_factory.mktemp("synthetic") / "actor"
+    return source, write_synthetic_checkpoint(config, str(source), world_size=2)
+
+
+def test_workers_hold_a_bounded_window_and_two_writers_split_the_files(synthetic, tmp_path, ray_address):
+    source, checkpoint_bytes = synthetic
     assert checkpoint_bytes / 2 > 2 * BUCKET + HEADROOM  # each worker reads more than the bound
 
     report = export(
@@ -44,3 +59,41 @@ def test_workers_hold_a_bounded_window_and_two_writers_split_the_files(tmp_path,
     expected = torch.cat([shard[name].to_local() for shard in shards])
     with safe_open(str(tmp_path / "out" / index["weight_map"][name]), framework="pt") as handle:
         assert torch.equal(handle.get_tensor(name), expected)
+
+
+def _export_workers() -> list[psutil.Process]:
+    return [process for process in psutil.process_iter(["cmdline"])
+            if "ray::ExportWorker" in " ".join(process.info["cmdline"] or [])]
+
+
+def test_a_worker_killed_mid_gather_ends_the_export_within_seconds(synthetic, tmp_path, ray_address):
+    source, _ = synthetic
+    destination = tmp_path / "out"
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            export(str(source), str(destination), workers=2, bucket_size=MiB, max_shard_size="16MB", verify="none")
+        except ExportError as error:
+            outcome["error"] = error
+        outcome["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not list(destination.glob("model-00001-of-*.safetensors")):  # the gather is under way
+        assert thread.is_alive() and time.monotonic() < deadline, "the export ended before a shard was written"
+        time.sleep(0.02)
+    victim = max(_export_workers(), key=lambda process: process.pid)  # the later-started worker
+    killed = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(timeout=120)
+
+    assert "an export worker died" in str(outcome.get("error")), outcome
+    assert outcome["ended"] - killed < 20, f"the driver took {outcome['ended'] - killed:.0f} s to notice"
+    assert not (destination / "export_manifest.json").exists()
+    remaining = time.monotonic() + 15
+    while _export_workers() and time.monotonic() < remaining:  # the others are killed too
+        time.sleep(0.2)
+    assert not _export_workers()
+    assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
