@@ -140,3 +140,11 @@ def reload_in_fresh_process(path: str, trust_remote_code: bool = False) -> dict:
         raise AssertionError(f"reload failed: {completed.stderr[-2000:]}")
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     return dict(result, logits=torch.tensor(result["logits"]))
+
+
+def export_worker_processes() -> list:
+    """The live processes of rayexport's worker actors (Ray names them `ray::ExportWorker`)."""
+    import psutil
+
+    return [process for process in psutil.process_iter(["cmdline"])
+            if "ray::ExportWorker" in " ".join(process.info["cmdline"] or [])]

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import ray
 
-from helpers import reload
+from helpers import export_worker_processes, reload
 from rayexport import close_pool, export, export_remote
 
 POOL = "tests"
 
 
 def _export_worker_pids() -> set[int]:
-    return {process.pid for process in psutil.process_iter(["cmdline"])
-            if "ray::ExportWorker" in " ".join(process.info["cmdline"] or [])}
+    return {process.pid for process in export_worker_processes()}
 
 
 def test_a_warm_pool_reuses_its_workers_until_closed(checkpoints, ray_address, tmp_path):

@@ -10,12 +10,12 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 import ray
 import torch
 from safetensors import safe_open
 
+from helpers import export_worker_processes
 from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
 from rayexport.errors import ExportError
 from rayexport.job import export
@@ -61,11 +61,6 @@ def test_workers_hold_a_bounded_window_and_two_writers_split_the_files(synthetic
         assert torch.equal(handle.get_tensor(name), expected)
 
 
-def _export_workers() -> list[psutil.Process]:
-    return [process for process in psutil.process_iter(["cmdline"])
-            if "ray::ExportWorker" in " ".join(process.info["cmdline"] or [])]
-
-
 def test_a_worker_killed_mid_gather_ends_the_export_within_seconds(synthetic, tmp_path, ray_address):
     source, _ = synthetic
     destination = tmp_path / "out"
@@ -84,7 +79,7 @@ def test_a_worker_killed_mid_gather_ends_the_export_within_seconds(synthetic, tm
     while not list(destination.glob("model-00001-of-*.safetensors")):  # the gather is under way
         assert thread.is_alive() and time.monotonic() < deadline, "the export ended before a shard was written"
         time.sleep(0.02)
-    victim = max(_export_workers(), key=lambda process: process.pid)  # the later-started worker
+    victim = max(export_worker_processes(), key=lambda process: process.pid)  # the later-started worker
     killed = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
     thread.join(timeout=120)
@@ -93,7 +88,7 @@ def test_a_worker_killed_mid_gather_ends_the_export_within_seconds(synthetic, tm
     assert outcome["ended"] - killed < 20, f"the driver took {outcome['ended'] - killed:.0f} s to notice"
     assert not (destination / "export_manifest.json").exists()
     remaining = time.monotonic() + 15
-    while _export_workers() and time.monotonic() < remaining:  # the others are killed too
+    while export_worker_processes() and time.monotonic() < remaining:  # the others are killed too
         time.sleep(0.2)
-    assert not _export_workers()
+    assert not export_worker_processes()
     assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
