@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
-from rayexport.errors import ExportError
+from rayexport.errors import ExportError, one_line
 from rayexport.dtypes import dtype_of
 from rayexport.layouts.dcp import DcpCheckpoint, assign_tensors, find_dcp_checkpoint, is_dcp_checkpoint
 from rayexport.layouts.verl import HF_DIR, VerlCheckpoint, find_verl_checkpoint
@@ -432,6 +432,22 @@ def _step_limit(options: ExportOptions, job_deadline: float) -> tuple[float, str
     return options.timeout_s, "--timeout"
 
 
+def _actor_death(references: list, wait_s: float):
+    """The first RayActorError among `references` that arrives within `wait_s`, else None."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    ready, _ = ray.wait(list(references), num_returns=len(references), timeout=wait_s)
+    for reference in ready:
+        try:
+            ray.get(reference, timeout=0)
+        except RayActorError as error:
+            return error
+        except Exception:  # noqa: BLE001 - other failures are reported by the caller
+            continue
+    return None
+
+
 def _get(references: list, limit: tuple[float, str], on_failure) -> list:
     """Wait for every reference; on the first error or when the step's time `limit` (seconds,
     and the option that set it) runs out, call `on_failure` and raise, so one dead worker ends
@@ -450,11 +466,17 @@ def _get(references: list, limit: tuple[float, str], on_failure) -> list:
             ray.get(ready[0])
         return ray.get(list(references))
     except RayTaskError as error:
-        on_failure()
         cause = error.cause
         if isinstance(cause, ExportError):
+            on_failure()
             raise type(cause)(*cause.args) from None
-        raise cause from None
+        # A worker whose peer died fails its collective ("connection closed by peer") and may
+        # answer before the dead worker's own error does: name the death when it follows.
+        died = _actor_death(references, wait_s=5)
+        on_failure()
+        if died is not None:
+            raise ExportError(f"an export worker died: {died}".splitlines()[0]) from None
+        raise ExportError(f"an export worker failed: {type(cause).__name__}: {one_line(cause)}") from None
     except RayActorError as error:
         on_failure()
         raise ExportError(f"an export worker died: {error}".splitlines()[0]) from None
