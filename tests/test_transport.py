@@ -36,7 +36,7 @@ def test_pack_unpack_round_trip_mixed_dtypes():
         Piece(0, f"t{i}", (0,) * tensor.dim(), tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
         for i, tensor in enumerate(tensors)
     )
-    buffer = pack(pieces, tensors, CPU)
+    buffer = pack(pieces, tensors)
     assert buffer.dtype == torch.uint8 and buffer.numel() == packed_offsets(pieces)[1]
     unpacked = unpack(pieces, buffer)
     assert len(unpacked) == len(tensors)
@@ -46,9 +46,9 @@ def test_pack_unpack_round_trip_mixed_dtypes():
 
 
 def test_pack_of_nothing_is_an_empty_buffer():
-    assert pack((), [], CPU).numel() == 0
+    assert pack((), []).numel() == 0
     empty = Piece(0, "e", (0, 0), (0, 3), "float32")
-    assert unpack((empty,), pack((empty,), [torch.empty(0, 3)], CPU))[0].shape == (0, 3)
+    assert unpack((empty,), pack((empty,), [torch.empty(0, 3)]))[0].shape == (0, 3)
 
 
 def plan_of(name, full, pieces):
@@ -242,3 +242,35 @@ def test_output_chunks_are_the_pieces_of_a_row_sharded_tensor():
     column = [Piece(rank, "w", (0, start), (7, stop - start), "float32") for rank, (start, stop) in enumerate([(0, 2), (2, 3)])]
     (assembled,) = output_chunks(plan_of("w", full, column), {piece: region(full, piece).clone() for piece in column})
     assert torch.equal(assembled, full)
+
+
+# --- the GPU a worker drives, and its staging buffers ------------------------------------------
+
+def test_the_gpu_is_the_first_assigned_one_among_the_visible_devices():
+    from rayexport.transport import cuda_device
+
+    assert cuda_device([5], "5") == torch.device("cuda", 0)  # Ray narrowed visibility to the actor's GPU
+    assert cuda_device([5, 6], "5,6") == torch.device("cuda", 0)
+    assert cuda_device([5], None) == torch.device("cuda", 5)  # Ray left visibility alone
+    assert cuda_device([5], "0,2,5,7") == torch.device("cuda", 2)
+    assert cuda_device([], "1") == torch.device("cuda", 0)  # started without Ray
+    with pytest.raises(Exception, match="GPU 5 assigned by Ray is not among CUDA_VISIBLE_DEVICES=1,2"):
+        cuda_device([5], "1,2")
+
+
+def test_each_staging_slot_holds_the_largest_bucket_a_worker_sends_or_receives():
+    from rayexport.plan import Bucket
+    from rayexport.transport import staging_bytes
+
+    def piece(rank, nbytes):
+        return Piece(rank, f"k{rank}.{nbytes}", (0,), (nbytes,), "uint8")
+
+    buckets = (
+        # written by 0: 1 sends 20 bytes (32 once aligned), 2 sends 16 + 1 (16 + 16); 0's own stay
+        Bucket(("a",), ((piece(0, 8),), (piece(1, 20),), (piece(2, 16), piece(2, 1))), writer=0),
+        # written by 1: 0 sends 100 bytes (112), 2 sends nothing
+        Bucket(("b",), ((piece(0, 100),), (piece(1, 4),), ()), writer=1),
+    )
+    assert staging_bytes(buckets, 0) == 112  # its send to 1 outweighs the 64 it receives
+    assert staging_bytes(buckets, 1) == 112  # receives 112 in "b", sends 32 in "a"
+    assert staging_bytes(buckets, 2) == 32
