@@ -25,6 +25,7 @@ from rayexport.model import (
 )
 from rayexport.remote_code import auto_map_files, bundle_model_code
 from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
+from rayexport.placement import Devices, choose_devices, missing_resources
 from rayexport.pool import IdleGroup, get_keeper, group_shape
 from rayexport.plan import (
     BASE_MODEL_RANK, LoraRequest, Piece, ShardFile, TensorPlanning, assign_ranks, holders_from_ranks,
@@ -50,6 +51,7 @@ class ExportReport:
     workers: int
     backend: str
     tensor_count: int
+    backend_reason: str = ""  # why this backend (and these GPUs): an option, or what was free
     seconds: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
@@ -76,7 +78,8 @@ class ExportReport:
             f"exported {self.source}",
             f"      to {self.destination}",
             f"  {self.tensor_count} tensors in {sum(name.endswith('.safetensors') for name in self.files)} "
-            f"safetensors file(s), {written / 1e6:.1f} MB, {self.workers} worker(s) over {self.backend}",
+            f"safetensors file(s), {written / 1e6:.1f} MB, {self.workers} worker(s) over {self.backend} "
+            f"({self.backend_reason})",
             "  stages: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.seconds.items())
             + f" (total {total:.1f}s)",
             "  peak memory per actor: "
@@ -135,8 +138,12 @@ def run_export(options: ExportOptions) -> ExportReport:
 
     _ensure_ray(options)
     num_workers = _worker_count(options, checkpoint, ray.cluster_resources())
-    backend = choose_backend(options.backend, ray.cluster_resources().get("GPU", 0), num_workers, options.num_gpus_per_worker)
-    group = WorkerGroup(num_workers, backend, options, job_deadline)
+    devices = choose_devices(
+        options.backend, options.num_gpus_per_worker, num_workers,
+        free_gpus=ray.available_resources().get("GPU", 0.0), total_gpus=ray.cluster_resources().get("GPU", 0.0),
+    )
+    log.info("%d worker(s) over %s: %s", num_workers, devices.backend, devices.reason)
+    group = WorkerGroup(num_workers, devices, options, job_deadline)
     try:
         with _stage(seconds, "start_workers"):
             group.start()
@@ -191,7 +198,8 @@ def run_export(options: ExportOptions) -> ExportReport:
         layout=checkpoint.layout,
         world_size=checkpoint.world_size,
         workers=num_workers,
-        backend=backend,
+        backend=group.devices.backend,
+        backend_reason=group.devices.reason,
         tensor_count=len(tensors),
         seconds=seconds,
         bytes={
@@ -205,7 +213,10 @@ def run_export(options: ExportOptions) -> ExportReport:
         },
         working_memory_bytes={f"worker{stats['worker']}": stats["working_memory_bytes"] for stats in worker_stats},
         files_by_worker={f"worker{stats['worker']}": stats["files_written"] for stats in worker_stats},
-        placement={f"worker{stats['worker']}": {"node": stats["node"], "pid": stats["pid"]} for stats in worker_stats},
+        placement={
+            f"worker{stats['worker']}": {"node": stats["node"], "pid": stats["pid"], "device": stats["device"]}
+            for stats in worker_stats
+        },
         warm_start=group.reused,
         files=result["files"],
         verification=verification,
@@ -303,18 +314,6 @@ def verify_level(requested: str, total_bytes: int) -> str:
     return "full" if total_bytes <= FULL_VERIFY_LIMIT else "quick"
 
 
-def choose_backend(
-    requested: str, gpus_in_cluster: float, num_workers: int, gpus_per_worker: float | None = None
-) -> str:
-    """nccl when asked, or with `auto` when the cluster has a GPU for every worker and the
-    caller did not keep the export off GPUs (`gpus_per_worker=0`); else gloo."""
-    if requested != "auto":
-        return requested
-    if gpus_per_worker == 0:
-        return "gloo"
-    return "nccl" if gpus_in_cluster >= num_workers * (gpus_per_worker or 1) else "gloo"
-
-
 def _worker_count(options: ExportOptions, checkpoint: VerlCheckpoint | DcpCheckpoint, resources: dict[str, float]) -> int:
     if options.workers is not None:
         return min(options.workers, checkpoint.world_size)
@@ -391,6 +390,10 @@ def _parse_json(data: bytes, uri: str) -> dict:
     if not isinstance(value, dict):
         raise ExportError(f"'{uri}' is not a JSON object")
     return value
+
+
+def _bundle_text(bundle: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in bundle.items()) + "}"
 
 
 def _tied_pairs(aliases: dict[str, str], written: dict[str, Any]) -> list[tuple[str, str]]:
@@ -489,17 +492,19 @@ class WorkerGroup:
     """The export's placement group and actors; `shutdown()` removes both, or with a warm pool
     (`options.pool`) hands a healthy group back to the pool for the next export."""
 
-    def __init__(self, size: int, backend: str, options: ExportOptions, job_deadline: float) -> None:
+    def __init__(self, size: int, devices: Devices, options: ExportOptions, job_deadline: float) -> None:
         self.job_deadline = job_deadline
         self.size = size
-        self.backend = backend
+        self.devices = devices
         self.options = options
         self.actors: list = []
         self.placement_group = None
-        self.gpus = options.num_gpus_per_worker if options.num_gpus_per_worker is not None else int(backend == "nccl")
-        self.shape = group_shape(size, backend, options.num_cpus_per_worker, self.gpus)
         self.keeper = None
         self.reused = False
+
+    @property
+    def shape(self) -> str:
+        return group_shape(self.size, self.devices.backend, self.options.num_cpus_per_worker, self.devices.gpus_per_worker)
 
     def start(self) -> None:
         """Take an idle group from the warm pool if there is one of this shape, else start one:
@@ -521,38 +526,54 @@ class WorkerGroup:
 
     def _start_new(self) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        gpus = self.gpus
+        self._place()
         lifetime = {"lifetime": "detached"} if self.options.pool else {}  # outlive this driver or task
-        bundle = {"CPU": self.options.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        self.placement_group = placement_group([bundle] * self.size, strategy="PACK", **lifetime)
-        ready = self.placement_group.ready()
-        if not ray.wait([ready], timeout=min(_step_limit(self.options, self.job_deadline)[0], 120))[0]:
-            _step_limit(self.options, self.job_deadline)  # past the job's deadline: say that
-            raise ExportError(
-                f"the Ray cluster cannot place {self.size} worker(s) of {bundle}; "
-                f"free resources: {ray.available_resources()}"
-            )
         actor_class = ray.remote(ExportWorker)
-        device = "cuda" if self.backend == "nccl" else "cpu"
         for index in range(self.size):
             self.actors.append(
                 actor_class.options(
                     num_cpus=self.options.num_cpus_per_worker,
-                    num_gpus=gpus,
+                    num_gpus=self.devices.gpus_per_worker,
                     max_restarts=0,
                     **lifetime,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.placement_group, placement_group_bundle_index=index
                     ),
-                ).remote(index, self.size, device, self.options.log_level)
+                ).remote(index, self.size, self.options.log_level)
             )
         host, port = self._get([self.actors[0].open_rendezvous.remote(self.options.timeout_s)])[0]
         self._get([
-            actor.join_group.remote(self.backend, host, port, self.options.timeout_s) for actor in self.actors
+            actor.join_group.remote(self.devices.backend, host, port, self.options.timeout_s) for actor in self.actors
         ])
+
+    def _place(self) -> None:
+        """Reserve a bundle per worker, waiting at most --placement-timeout. GPUs that `auto`
+        saw free but that were taken meanwhile: gloo instead. Otherwise a bundle that cannot be
+        placed in time ends the export with one line naming what is missing."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        lifetime = {"lifetime": "detached"} if self.options.pool else {}
+        gpus = self.devices.gpus_per_worker
+        bundle = {"CPU": self.options.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+        self.placement_group = placement_group([bundle] * self.size, strategy="PACK", **lifetime)
+        wait_s = min(_step_limit(self.options, self.job_deadline)[0], self.options.placement_timeout_s)
+        if ray.wait([self.placement_group.ready()], timeout=wait_s)[0]:
+            return
+        remove_placement_group(self.placement_group)
+        self.placement_group = None
+        _step_limit(self.options, self.job_deadline)  # past the job's deadline: say that
+        if self.devices.fallback:
+            self.devices = Devices("gloo", 0.0, f"the free GPUs were taken before the workers were placed ({self.devices.reason} at the start)")
+            log.warning("%d worker(s) over gloo: %s", self.size, self.devices.reason)
+            return self._place()
+        raise ExportError(
+            f"the Ray cluster cannot place {self.size} worker(s) of {_bundle_text(bundle)} within {wait_s:.0f} s "
+            f"(--placement-timeout): "
+            + missing_resources(bundle, self.size, ray.available_resources(), ray.cluster_resources())
+        )
 
     def load(self, source: Store, checkpoint: VerlCheckpoint, ranks_by_worker: dict[int, list[int]]) -> dict:
         references = [

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayexport.errors import ExportError
+from rayexport.placement import is_whole
 
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -49,7 +50,9 @@ class ExportOptions:
     timeout_s: float = 1800.0
     deadline_s: float = 86400.0  # the whole export, start to commit
     num_cpus_per_worker: float = 1.0
-    num_gpus_per_worker: float | None = None  # None: one per worker with nccl, none with gloo
+    # None: one per worker when the backend is (or `auto` picks) nccl, none with gloo
+    num_gpus_per_worker: float | None = None
+    placement_timeout_s: float = 60.0  # how long the workers may wait for the cluster to place them
     log_level: str = "INFO"
     lora: str = "merge"
     base_model: str | None = None
@@ -73,8 +76,14 @@ class ExportOptions:
         self.max_shard_size = parse_size(self.max_shard_size)
         if self.workers is not None and self.workers < 1:
             raise ExportError(f"--workers must be at least 1, not {self.workers}")
-        if self.timeout_s <= 0 or self.deadline_s <= 0:
-            raise ExportError("--timeout and --deadline must be positive")
+        if self.timeout_s <= 0 or self.deadline_s <= 0 or self.placement_timeout_s <= 0:
+            raise ExportError("--timeout, --deadline and --placement-timeout must be positive")
+        gpus = self.num_gpus_per_worker
+        if gpus is not None and gpus < 0:
+            raise ExportError(f"--num-gpus-per-worker must not be negative, not {gpus:g}")
+        if self.backend == "nccl" and gpus is not None and not is_whole(gpus):
+            why = "gives it none" if gpus == 0 else "is not a whole number (NCCL refuses two ranks on one device)"
+            raise ExportError(f"--backend nccl needs a whole GPU per worker; --num-gpus-per-worker {gpus:g} {why}")
         if self.writers < 1:
             raise ExportError(f"--writers must be at least 1, not {self.writers}")
         if self.bucket_size < 1:

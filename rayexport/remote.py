@@ -1,7 +1,7 @@
 """`export_remote()`: start an export from inside a running Ray program and return at once.
 
 For RL frameworks that save a checkpoint every N steps: the export runs as a Ray task that
-drives its own worker actors (CPU-only unless GPUs are granted), so training goes on. The
+drives its own worker actors (on CPUs unless the caller asks for GPUs), so training goes on. The
 caller's Ray session is used as it is, never initialised or shut down here.
 """
 
@@ -21,15 +21,19 @@ class ExportFailed(ExportError):
 def export_remote(src: str, dst: str, *, max_concurrent: int | None = None, **options: Any):
     """Start exporting `src` to `dst` and return a Ray ObjectRef to its `ExportReport`.
 
-    `options` are `ExportOptions` fields (`workers`, `num_cpus_per_worker`, `backend`, ...);
-    `num_gpus_per_worker=0` (the default) keeps the export off the training GPUs. Several calls
-    may be in flight; with `max_concurrent`, at most that many run at once and the rest wait.
+    `options` are `ExportOptions` fields (`workers`, `num_cpus_per_worker`, `backend`, ...).
+    Unlike the CLI, the export stays off the GPUs (gloo, `num_gpus_per_worker=0`) unless the
+    caller asks for them with `num_gpus_per_worker` or `backend="nccl"` (then one GPU per worker
+    by default): inside a training job the GPUs are the trainer's. Several calls may be in
+    flight; with `max_concurrent`, at most that many run at once and the rest wait.
     `ray.get(ref)` raises `ExportFailed` (an `ExportError`) with the CLI's message on failure.
     """
     import ray
 
     if not ray.is_initialized():
         raise ExportError("export_remote() needs a running Ray session: call ray.init() first")
+    if options.get("backend", "auto") != "nccl":
+        options.setdefault("num_gpus_per_worker", 0)
     export_options = ExportOptions(src=src, dst=dst, **options)  # bad options fail here, not later
     limiter = _limiter(max_concurrent) if max_concurrent else None
     task = ray.remote(num_cpus=0, max_retries=0)(_run_remote_export)

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, help="worker actors (default: min(world size, cluster CPUs))")
     parser.add_argument("--writers", type=int, default=1,
                         help="workers that each write a disjoint share of the output files (default 1: worker 0)")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="nccl on GPUs, gloo on CPUs")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="nccl (a whole GPU per worker) or gloo (CPUs); auto: nccl only when every worker "
+                             "finds a whole free GPU at the start, else gloo (the log says why)")
     parser.add_argument("--bucket-size", default="1GiB", help="bytes gathered per step (default 1GiB)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="output dtype (auto: the config's)")
@@ -63,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pool", metavar="NAME",
                         help="keep the worker actors alive in the warm pool NAME for the next export (see README)")
     parser.add_argument("--num-cpus-per-worker", type=float, default=1.0)
-    parser.add_argument("--num-gpus-per-worker", type=float, help="default: 1 with nccl, 0 with gloo")
+    parser.add_argument("--num-gpus-per-worker", type=float,
+                        help="GPUs each worker reserves (default: 1 when the backend is nccl, 0 with gloo; "
+                             "0 keeps the export off the GPUs; nccl needs a whole number)")
+    parser.add_argument("--placement-timeout", type=float, default=60.0, dest="placement_timeout_s",
+                        help="seconds to wait for the cluster to place the workers before failing with what "
+                             "is missing (default 60; raise it where nodes are added on demand)")
     parser.add_argument("--report", metavar="PATH|-", help="write the report as JSON to PATH or stdout")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--debug", action="store_true", help="full tracebacks on errors")
@@ -72,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 OPTION_NAMES = (
     "workers", "writers", "backend", "bucket_size", "max_shard_size", "dtype", "storage_options",
-    "trust_remote_code", "verify", "force", "timeout_s", "deadline_s", "num_cpus_per_worker", "num_gpus_per_worker", "log_level",
+    "trust_remote_code", "verify", "force", "timeout_s", "deadline_s", "num_cpus_per_worker", "num_gpus_per_worker",
+    "placement_timeout_s", "log_level",
     "lora", "base_model", "lora_alpha", "lora_rslora", "untie", "strict", "unsafe_pickle",
     "layout", "hf_config", "dcp_prefix", "pool",
 )

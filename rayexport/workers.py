@@ -14,6 +14,7 @@ import logging
 import os
 import resource
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from rayexport import transport
 from rayexport.dtypes import dtype_of
+from rayexport.errors import ExportError
 from rayexport.layouts.dcp import DcpCheckpoint, read_tensors
 from rayexport.layouts.hf import SafetensorsTensors
 from rayexport.layouts.verl import ShardInfo, VerlCheckpoint, describe_tensor, load_rank_state, local_tensor
@@ -65,15 +67,33 @@ def _status_bytes(field: str) -> int:
     return 0
 
 
+def _assigned_gpus() -> list:
+    """The GPU ids Ray assigned this actor ([] outside Ray)."""
+    try:
+        import ray
+    except ImportError:
+        return []
+    return list(ray.get_gpu_ids()) if ray.is_initialized() else []
+
+
+def _node_id() -> str:
+    """This worker's Ray node id, or its host name outside Ray."""
+    try:
+        import ray
+    except ImportError:
+        return socket.gethostname()
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else socket.gethostname()
+
+
 class ExportWorker:
     """One member of the export's process group (a Ray actor)."""
 
-    def __init__(self, index: int, num_workers: int, device: str, log_level: str) -> None:
+    def __init__(self, index: int, num_workers: int, log_level: str) -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
         self.index = index
         self.num_workers = num_workers
-        self.device = torch.device(device)
+        self.device = torch.device("cpu")  # the GPU under NCCL, once it joins the group
         self.spool_dir = tempfile.mkdtemp(prefix=f"rayexport-worker{index}-")
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.mapped: list[tuple[int, int]] = []
@@ -82,20 +102,36 @@ class ExportWorker:
         self.earlier_peak_rss = 0
         self.resident_before_load: int | None = None
 
-    def open_rendezvous(self, timeout_s: float) -> tuple[str, int]:
-        """Worker 0 only: open the process group's store; return where others reach it."""
-        import ray
+    def open_rendezvous(self, timeout_s: float, host: str | None = None) -> tuple[str, int]:
+        """Worker 0 only: open the process group's store on `host` (default: this Ray node's
+        address); return where others reach it."""
+        if host is None:
+            import ray
 
-        host = ray.util.get_node_ip_address()
+            host = ray.util.get_node_ip_address()
         self.rendezvous = transport.open_rendezvous(host, timeout_s)
         return host, self.rendezvous.port
 
     def join_group(self, backend: str, host: str, port: int, timeout_s: float) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        """Join the export's process group; under NCCL, first take this worker's own GPU."""
+        if backend == "nccl":
+            self.device = self._take_gpu()
         transport.join_group(
-            backend, self.index, self.num_workers, host, port, timeout_s, store=self.rendezvous
+            backend, self.index, self.num_workers, host, port, timeout_s, store=self.rendezvous,
+            device=self.device if backend == "nccl" else None,
         )
+
+    def _take_gpu(self) -> torch.device:
+        gpus = _assigned_gpus()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if not torch.cuda.is_available():
+            raise ExportError(
+                f"worker {self.index} was placed for NCCL (Ray GPU ids {gpus}, CUDA_VISIBLE_DEVICES={visible}) "
+                f"but torch finds no CUDA device on {socket.gethostname()}"
+            )
+        device = transport.cuda_device(gpus, visible)
+        torch.cuda.set_device(device.index)
+        return device
 
     def load(
         self, source: Store, checkpoint: VerlCheckpoint, ranks: list[int], unsafe_pickle: bool = False
@@ -202,10 +238,8 @@ class ExportWorker:
         process held before it loaded anything (None where Linux's peak reset is missing)."""
         peak = peak_rss_bytes()
         working = peak - self.resident_before_load if self.resident_before_load is not None else None
-        import ray
-
         return {
-            "worker": self.index, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+            "worker": self.index, "node": _node_id(), "pid": os.getpid(), "device": str(self.device),
             "bytes_read": self.bytes_read,
             "peak_rss_bytes": max(self.earlier_peak_rss, peak), "working_memory_bytes": working, **extra,
         }

@@ -179,6 +179,21 @@ def test_destination_inside_source(checkpoints):
                  "is inside source")
 
 
+@pytest.mark.parametrize("options, fragment", [
+    (("--num-gpus-per-worker", "0.5"), "--backend nccl needs a whole GPU per worker; --num-gpus-per-worker 0.5 is not a whole number"),
+    (("--num-gpus-per-worker", "0"), "--backend nccl needs a whole GPU per worker; --num-gpus-per-worker 0 gives it none"),
+    (("--workers", "2"), "--backend nccl needs 2 GPU(s) (2 worker(s) x 1); the Ray cluster has 0"),
+])
+def test_nccl_without_a_whole_gpu_per_worker_is_refused_before_any_actor_starts(checkpoints, tmp_path, options, fragment):
+    import ray
+
+    groups_before = len(ray.util.placement_group_table())
+    assert_fails(run_main("--src", checkpoints["tied"].path, "--dst", str(tmp_path / "out"), "--backend", "nccl", *options),
+                 fragment)
+    assert len(ray.util.placement_group_table()) == groups_before  # nothing was placed
+    assert not (tmp_path / "out" / "export_manifest.json").exists()
+
+
 def test_secrets_never_reach_logs_report_or_manifest(s3_checkpoints, s3_prefix, tmp_path):
     """A sentinel secret as the S3 credential (moto accepts any), at DEBUG: not in the CLI's
     output, the report, the manifest, or any Ray log of the session."""

@@ -92,3 +92,35 @@ def test_a_worker_killed_mid_gather_ends_the_export_within_seconds(synthetic, tm
         time.sleep(0.2)
     assert not export_worker_processes()
     assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
+
+
+# --- an NCCL worker's GPU -----------------------------------------------------------------------
+
+def test_an_nccl_worker_binds_the_gpu_index_it_was_given(monkeypatch):
+    """torch.cuda is patched here, and only here, because this machine has no GPU: the worker
+    must hand `set_device` an index (a bare torch.device("cuda") is refused by torch), the first
+    of the devices Ray made visible to it, before NCCL starts."""
+    from rayexport.workers import ExportWorker
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # what Ray sets in an actor given GPU 3
+    monkeypatch.setattr("rayexport.workers._assigned_gpus", lambda: [3])
+    worker = ExportWorker(0, 1, "WARNING")
+    host, port = worker.open_rendezvous(30, host="127.0.0.1")
+    # this CPU build of torch has no NCCL: joining fails, but only after the device was bound
+    with pytest.raises((RuntimeError, ValueError)):
+        worker.join_group("nccl", host, port, 30)
+    assert calls == [("set_device", 0)]
+    assert worker.device == torch.device("cuda", 0)
+    worker.close()
+
+
+def test_a_worker_placed_for_nccl_without_cuda_says_so(monkeypatch):
+    from rayexport.workers import ExportWorker
+
+    monkeypatch.setattr("rayexport.workers._assigned_gpus", lambda: [0])
+    worker = ExportWorker(1, 2, "WARNING")
+    with pytest.raises(ExportError, match=r"^worker 1 was placed for NCCL \(Ray GPU ids \[0\].*torch finds no CUDA device"):
+        worker.join_group("nccl", "127.0.0.1", 1, 30)
