@@ -57,6 +57,7 @@ class ExportReport:
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
     # per worker: its peak memory above what it held before loading (the transfer window)
     working_memory_bytes: dict[str, int | None] = field(default_factory=dict)
+    peak_gpu_bytes: dict[str, int] = field(default_factory=dict)  # per GPU worker: its transfer's peak
     files_by_worker: dict[str, list[str]] = field(default_factory=dict)  # which worker wrote what
     placement: dict[str, dict[str, Any]] = field(default_factory=dict)  # each worker's Ray node and process
     warm_start: bool = False  # the workers came from a warm pool
@@ -105,8 +106,12 @@ def export(src: str, dst: str, **options: Any) -> ExportReport:
     return run_export(ExportOptions(src=src, dst=dst, **options))
 
 
-def run_export(options: ExportOptions) -> ExportReport:
-    """The whole export: plan, gather and write with Ray actors, verify, commit the manifest."""
+def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = None) -> ExportReport:
+    """The whole export: plan, gather and write with Ray actors, verify, commit the manifest.
+
+    `group_type` runs the workers and the verification some other way than on Ray (a
+    `WorkerGroup` subclass; benchmarks/gpu_check.py uses local processes)."""
+    group_type = group_type or WorkerGroup
     seconds: dict[str, float] = {}
     job_deadline = time.monotonic() + options.deadline_s
     storage_options = storage_options_from_env(options.storage_options)
@@ -134,16 +139,8 @@ def run_export(options: ExportOptions) -> ExportReport:
         destination.write_bytes(".rayexport-write-probe", b"")
         destination.delete(".rayexport-write-probe")
 
-    import ray
-
-    _ensure_ray(options)
-    num_workers = _worker_count(options, checkpoint, ray.cluster_resources())
-    devices = choose_devices(
-        options.backend, options.num_gpus_per_worker, num_workers,
-        free_gpus=ray.available_resources().get("GPU", 0.0), total_gpus=ray.cluster_resources().get("GPU", 0.0),
-    )
-    log.info("%d worker(s) over %s: %s", num_workers, devices.backend, devices.reason)
-    group = WorkerGroup(num_workers, devices, options, job_deadline)
+    group = group_type.for_export(options, checkpoint.world_size, job_deadline)
+    num_workers = group.size
     try:
         with _stage(seconds, "start_workers"):
             group.start()
@@ -180,7 +177,7 @@ def run_export(options: ExportOptions) -> ExportReport:
         pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code, source_finite=source_finite,
     )
     with _stage(seconds, "verify"):
-        verification = _verify(destination, expected, options, job_deadline)
+        verification = group_type.verify(destination, expected, options, job_deadline)
     manifest = build_manifest(
         source=source.uri,
         layout=checkpoint.layout,
@@ -212,6 +209,9 @@ def run_export(options: ExportOptions) -> ExportReport:
             **{f"worker{stats['worker']}": stats["peak_rss_bytes"] for stats in worker_stats},
         },
         working_memory_bytes={f"worker{stats['worker']}": stats["working_memory_bytes"] for stats in worker_stats},
+        peak_gpu_bytes={
+            f"worker{stats['worker']}": stats["peak_gpu_bytes"] for stats in worker_stats if stats["peak_gpu_bytes"] is not None
+        },
         files_by_worker={f"worker{stats['worker']}": stats["files_written"] for stats in worker_stats},
         placement={
             f"worker{stats['worker']}": {"node": stats["node"], "pid": stats["pid"], "device": stats["device"]}
@@ -314,13 +314,6 @@ def verify_level(requested: str, total_bytes: int) -> str:
     return "full" if total_bytes <= FULL_VERIFY_LIMIT else "quick"
 
 
-def _worker_count(options: ExportOptions, checkpoint: VerlCheckpoint | DcpCheckpoint, resources: dict[str, float]) -> int:
-    if options.workers is not None:
-        return min(options.workers, checkpoint.world_size)
-    available = int(resources.get("CPU", 1) // max(options.num_cpus_per_worker, 1e-9))
-    return max(1, min(checkpoint.world_size, available))
-
-
 def _check_destination(source: Store, destination: Store) -> None:
     if type(source.fs) is type(destination.fs) and (
         destination.root == source.root or destination.root.startswith(source.root.rstrip("/") + "/")
@@ -399,17 +392,6 @@ def _bundle_text(bundle: dict[str, float]) -> str:
 def _tied_pairs(aliases: dict[str, str], written: dict[str, Any]) -> list[tuple[str, str]]:
     """The (canonical, alias) pairs the reload must find sharing memory."""
     return sorted((canonical, alias) for alias, canonical in aliases.items() if canonical in written)
-
-
-def _verify(destination: Store, expected: ExpectedExport, options: ExportOptions, job_deadline: float) -> dict[str, Any]:
-    if expected.level == "none":
-        return {"passed": None, "level": "none"}
-    import ray
-
-    task = ray.remote(num_cpus=1, max_retries=0)(verify_export)
-    limit = _step_limit(options, job_deadline)
-    reference = task.remote(destination, expected, limit[0])
-    return _get([reference], limit, on_failure=lambda: ray.cancel(reference, force=True))[0]
 
 
 def _ensure_ray(options: ExportOptions) -> None:
@@ -491,6 +473,37 @@ def _get(references: list, limit: tuple[float, str], on_failure) -> list:
 class WorkerGroup:
     """The export's placement group and actors; `shutdown()` removes both, or with a warm pool
     (`options.pool`) hands a healthy group back to the pool for the next export."""
+
+    @classmethod
+    def for_export(cls, options: ExportOptions, world_size: int, job_deadline: float) -> "WorkerGroup":
+        """A group sized for the checkpoint and the cluster (joining or starting Ray), on the
+        devices `choose_devices` picks from what is free now; not started yet."""
+        import ray
+
+        _ensure_ray(options)
+        if options.workers is not None:
+            size = min(options.workers, world_size)
+        else:
+            cpus = int(ray.cluster_resources().get("CPU", 1) // max(options.num_cpus_per_worker, 1e-9))
+            size = max(1, min(world_size, cpus))
+        devices = choose_devices(
+            options.backend, options.num_gpus_per_worker, size,
+            free_gpus=ray.available_resources().get("GPU", 0.0), total_gpus=ray.cluster_resources().get("GPU", 0.0),
+        )
+        log.info("%d worker(s) over %s: %s", size, devices.backend, devices.reason)
+        return cls(size, devices, options, job_deadline)
+
+    @staticmethod
+    def verify(destination: Store, expected: ExpectedExport, options: ExportOptions, job_deadline: float) -> dict[str, Any]:
+        """Check the written export in a separate Ray task (see `verify_export`)."""
+        if expected.level == "none":
+            return {"passed": None, "level": "none"}
+        import ray
+
+        task = ray.remote(num_cpus=1, max_retries=0)(verify_export)
+        limit = _step_limit(options, job_deadline)
+        reference = task.remote(destination, expected, limit[0])
+        return _get([reference], limit, on_failure=lambda: ray.cancel(reference, force=True))[0]
 
     def __init__(self, size: int, devices: Devices, options: ExportOptions, job_deadline: float) -> None:
         self.job_deadline = job_deadline

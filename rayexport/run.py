@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-gpus-per-worker", type=float,
                         help="GPUs each worker reserves (default: 1 when the backend is nccl, 0 with gloo; "
                              "0 keeps the export off the GPUs; nccl needs a whole number)")
-    parser.add_argument("--placement-timeout", type=float, default=60.0, dest="placement_timeout_s",
+    parser.add_argument("--placement-timeout", type=float, default=60.0, dest="placement_timeout_s", metavar="S",
                         help="seconds to wait for the cluster to place the workers before failing with what "
                              "is missing (default 60; raise it where nodes are added on demand)")
     parser.add_argument("--report", metavar="PATH|-", help="write the report as JSON to PATH or stdout")

@@ -207,6 +207,8 @@ class ExportWorker:
         export carries (config, tokenizer, code). Returns every file it wrote, with size and
         digest, each tensor's digest, and its bytes and memory."""
         started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         my_files = transfer.files[self.index]
         total = sum(plans[name].nbytes for shard in my_files for name in shard.tensors)
 
@@ -235,11 +237,13 @@ class ExportWorker:
 
     def stats(self, **extra: int) -> dict[str, Any]:
         """Bytes read, whole-life peak memory, and the working memory: the peak above what this
-        process held before it loaded anything (None where Linux's peak reset is missing)."""
+        process held before it loaded anything (None where Linux's peak reset is missing); on a
+        GPU, the most GPU memory the last transfer held."""
         peak = peak_rss_bytes()
         working = peak - self.resident_before_load if self.resident_before_load is not None else None
         return {
             "worker": self.index, "node": _node_id(), "pid": os.getpid(), "device": str(self.device),
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
             "bytes_read": self.bytes_read,
             "peak_rss_bytes": max(self.earlier_peak_rss, peak), "working_memory_bytes": working, **extra,
         }
@@ -263,6 +267,8 @@ class ExportWorker:
         self.resident_before_load = None
         shutil.rmtree(self.spool_dir, ignore_errors=True)
         os.makedirs(self.spool_dir)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the staging slots' GPU memory, cached by torch's allocator
 
     def close(self) -> None:
         transport.leave_group()
