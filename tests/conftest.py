@@ -39,10 +39,12 @@ def s3_endpoint():
 @pytest.fixture(scope="session")
 def ray_address(s3_endpoint):
     """One local Ray instance for the session (started after the S3 variables are set, so its
-    workers see them); CLI subprocesses join it through RAY_ADDRESS."""
+    workers see them); CLI subprocesses join it through RAY_ADDRESS. It advertises no GPUs even
+    on a GPU machine, so `--backend auto` means gloo here everywhere; the GPU cases start Ray
+    of their own (test_gpu_cluster.py, test_gpu.py)."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, logging_level="WARNING")
     address = ray.get_runtime_context().gcs_address
     os.environ["RAY_ADDRESS"] = address
     yield address
