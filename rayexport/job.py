@@ -27,9 +27,10 @@ from rayexport.remote_code import auto_map_files, bundle_model_code
 from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
 from rayexport.placement import Devices, choose_devices, missing_resources
 from rayexport.pool import IdleGroup, get_keeper, group_shape
-from rayexport.plan import (
-    BASE_MODEL_RANK, LoraRequest, Piece, ShardFile, TensorPlanning, assign_ranks, holders_from_ranks,
-    TransferPlan, keep_ties_together, needed_ranks, plan_holdings, plan_shard_files, plan_transfer, safetensors_order,
+from rayexport.plan.naming import LoraRequest, TensorPlanning, plan_holdings
+from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, holders_from_ranks, needed_ranks
+from rayexport.plan.schedule import (
+    ShardFile, assign_ranks, TransferPlan, keep_ties_together, plan_shard_files, plan_transfer, safetensors_order,
 )
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.ties import check_tied_values, find_tie_aliases

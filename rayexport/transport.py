@@ -22,7 +22,9 @@ import torch.distributed as dist
 from rayexport.dtypes import dtype_of
 from rayexport.errors import ExportError
 from rayexport.lora import merge_lora
-from rayexport.plan import Bucket, Piece, TensorPlan, packed_offsets
+from rayexport.plan.naming import TensorPlan
+from rayexport.plan.pieces import Piece
+from rayexport.plan.schedule import Bucket, packed_offsets
 
 T = TypeVar("T")
 # Buckets in flight per worker: one being written (or sent) while the next is received (or packed).

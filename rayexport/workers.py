@@ -27,9 +27,12 @@ from rayexport.dtypes import dtype_of
 from rayexport.errors import ExportError
 from rayexport.layouts.dcp import DcpCheckpoint, read_tensors
 from rayexport.layouts.hf import SafetensorsTensors
-from rayexport.layouts.verl import ShardInfo, VerlCheckpoint, describe_tensor, load_rank_state, local_tensor
+from rayexport.layouts.shards import ShardInfo, describe_tensor, local_tensor
+from rayexport.layouts.verl import VerlCheckpoint, load_rank_state
 from rayexport.layouts.mapped import mapped_ranges, release_pages
-from rayexport.plan import BASE_MODEL_RANK, Piece, ShardFile, TensorPlan, TransferPlan
+from rayexport.plan.naming import TensorPlan
+from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
+from rayexport.plan.schedule import ShardFile, TransferPlan
 from rayexport.storage import Store
 from rayexport.writer import WrittenFile, tensor_bytes, write_index, write_shards
 

@@ -17,7 +17,8 @@ import torch
 
 from rayexport.errors import ExportError
 from rayexport.dtypes import SAFETENSORS_DTYPES, dtype_of
-from rayexport.plan import ShardFile, TensorPlan
+from rayexport.plan.naming import TensorPlan
+from rayexport.plan.schedule import ShardFile
 from rayexport.storage import Store
 
 INDEX_NAME = "model.safetensors.index.json"

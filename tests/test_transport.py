@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.multiprocessing as multiprocessing
 
-from rayexport.layouts.verl import ShardInfo
-from rayexport.plan import (
-    Piece, ShardFile, TensorPlan, assign_ranks, holders_from_ranks, packed_offsets, plan_holdings, plan_transfer,
-)
+from rayexport.layouts.shards import ShardInfo
+from rayexport.plan.naming import TensorPlan, plan_holdings
+from rayexport.plan.pieces import Piece, holders_from_ranks
+from rayexport.plan.schedule import ShardFile, assign_ranks, packed_offsets, plan_transfer
 from rayexport.transport import assemble, output_chunks, pack, run_transfer, unpack
 
 CPU = torch.device("cpu")
@@ -259,7 +259,7 @@ def test_the_gpu_is_the_first_assigned_one_among_the_visible_devices():
 
 
 def test_each_staging_slot_holds_the_largest_bucket_a_worker_sends_or_receives():
-    from rayexport.plan import Bucket
+    from rayexport.plan.schedule import Bucket
     from rayexport.transport import staging_bytes
 
     def piece(rank, nbytes):

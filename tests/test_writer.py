@@ -8,7 +8,9 @@ import torch
 from safetensors.torch import load_file, save as safetensors_save
 
 from rayexport.errors import ExportError
-from rayexport.plan import Piece, TensorPlan, plan_shard_files
+from rayexport.plan.naming import TensorPlan
+from rayexport.plan.pieces import Piece
+from rayexport.plan.schedule import plan_shard_files
 from rayexport.storage import Store
 from rayexport.writer import INDEX_NAME, write_index, write_shards
 

@@ -10,7 +10,7 @@ import torch
 
 from rayexport.dtypes import TORCH_NAME_OF_CODE
 from rayexport.errors import ExportError
-from rayexport.layouts.verl import ShardInfo
+from rayexport.layouts.shards import ShardInfo
 from rayexport.storage import Store
 
 SINGLE_FILE = "model.safetensors"

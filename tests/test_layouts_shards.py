@@ -1,9 +1,9 @@
-"""rayexport.layouts.verl: the finiteness check every loaded tensor goes through."""
+"""rayexport.layouts.shards: the finiteness check every loaded tensor goes through."""
 
 import pytest
 import torch
 
-from rayexport.layouts.verl import is_finite
+from rayexport.layouts.shards import is_finite
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])

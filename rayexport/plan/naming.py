@@ -1,0 +1,187 @@
+"""Naming: which output tensor each source key becomes. Checkpoint keys are normalised and
+matched to the config's model names, tied aliases resolved, PEFT names mapped to the base model
+and LoRA adapters matched to their weights, and each output's dtype chosen. Pure functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from rayexport.dtypes import SAFETENSORS_DTYPES, dtype_of, nbytes
+from rayexport.errors import ExportError
+from rayexport.layouts.shards import ShardInfo
+from rayexport.lora import (
+    LoraSettings, LoraTarget, adapter_tensor_name, is_peft_checkpoint, lora_settings, split_peft_names,
+)
+from rayexport.names import normalize_key
+from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, tensor_pieces
+from rayexport.ties import TieResolution, resolve_tied_names
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One output tensor: its name, shape, dtypes, the pieces it is assembled from and, for a
+    LoRA-adapted weight in merge mode, the adapter folded into it."""
+
+    name: str
+    source_key: str
+    shape: tuple[int, ...]
+    source_dtype: str
+    dtype: str
+    pieces: tuple[Piece, ...]
+    lora: "LoraMerge | None" = None
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.shape, self.dtype)
+
+    @property
+    def all_pieces(self) -> tuple[Piece, ...]:
+        """Every piece this output needs gathered, adapter halves included."""
+        if self.lora is None:
+            return self.pieces
+        return self.pieces + self.lora.a.pieces + self.lora.b.pieces
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """W + scale * B @ A, with A and B gathered alongside W."""
+
+    a: TensorPlan
+    b: TensorPlan
+    scale: float
+
+
+@dataclass(frozen=True)
+class LoraRequest:
+    """What to do with LoRA adapters: `mode` merge|adapter|both, settings from the checkpoint's
+    `lora_train_meta.json` (`meta`) overridden by the user (`overrides`)."""
+
+    mode: str = "merge"
+    meta: dict | None = None
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class TensorPlanning:
+    """Everything `plan_holdings` decides."""
+
+    tensors: list[TensorPlan]
+    adapters: list[TensorPlan]
+    resolution: TieResolution
+    tied_key_pairs: list[tuple[str, str]]
+    lora: LoraSettings | None = None
+    lora_targets: list[LoraTarget] = field(default_factory=list)
+
+
+def plan_holdings(
+    holders: dict[str, dict[int, ShardInfo]],
+    expected: dict[str, tuple[tuple[int, ...], str]],
+    aliases: dict[str, str],
+    requested_dtype: str,
+    config_dtype: str | None,
+    lora: LoraRequest | None = None,
+    base_model: dict[str, ShardInfo] | None = None,
+) -> TensorPlanning:
+    """Match the checkpoint's keys to the model's names and plan how each tensor is assembled.
+
+    `holders` maps each source key to the (pseudo-)ranks holding part of it: every rank file of
+    a verl checkpoint (`holders_from_ranks`), or the one worker that read a whole DCP tensor.
+    `expected` maps every state-dict name of the config's model (aliases included) to its shape
+    and dtype; `aliases` maps tied alias names to their canonical names. PEFT names are mapped
+    to the base model's, and LoRA adapters merged or planned as adapter tensors per `lora`.
+    `base_model` describes the tensors of a base model folder, used for names the checkpoint
+    lacks (LoRA-only checkpoints); the exporter reads those itself as `BASE_MODEL_RANK`.
+    """
+    lora = lora or LoraRequest()
+    source_key_of: dict[str, str] = {}
+    for key in holders:
+        name = normalize_key(key)
+        if name in source_key_of:
+            raise ExportError(f"keys '{source_key_of[name]}' and '{key}' both name tensor '{name}'")
+        source_key_of[name] = key
+    if is_peft_checkpoint(source_key_of):
+        model_names, targets = split_peft_names(source_key_of)
+    else:
+        model_names, targets = {name: name for name in source_key_of}, []
+    checkpoint_key = {name: source_key_of[normalized] for name, normalized in model_names.items()}
+
+    resolution = resolve_tied_names(checkpoint_key, aliases)
+    wanted = [name for name in expected if name not in aliases]
+    from_base = [name for name in wanted if name not in resolution.sources and name in (base_model or {})]
+    missing = [name for name in wanted if name not in resolution.sources and name not in from_base]
+    if missing:
+        raise ExportError(
+            f"the checkpoint has no tensor '{missing[0]}' that the config's model needs"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + ("" if base_model is not None else "; for a LoRA-only checkpoint pass --base-model")
+        )
+    unexpected = [name for name in resolution.sources if name not in expected]
+    if unexpected:
+        raise ExportError(
+            f"the checkpoint's tensor '{checkpoint_key[resolution.sources[unexpected[0]]]}' is not "
+            f"in the config's model" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+        )
+
+    def plan_for(name: str, key: str, shape: tuple[int, ...], infos: dict[int, ShardInfo]) -> TensorPlan:
+        dtypes = {info.dtype for info in infos.values()}
+        if len(dtypes) != 1:
+            raise ExportError(f"tensor '{key}' has different dtypes across ranks: {sorted(dtypes)}")
+        source_dtype = dtypes.pop()
+        return TensorPlan(
+            name=name, source_key=key, shape=shape, source_dtype=source_dtype,
+            dtype=output_dtype(source_dtype, requested_dtype, config_dtype),
+            pieces=tensor_pieces(key, infos, shape),
+        )
+
+    plans = {}
+    for name in wanted:
+        shape = tuple(expected[name][0])
+        if name in from_base:
+            plans[name] = plan_for(name, name, shape, {BASE_MODEL_RANK: base_model[name]})
+        else:
+            key = checkpoint_key[resolution.sources[name]]
+            plans[name] = plan_for(name, key, shape, holders[key])
+
+    settings, adapters = None, []
+    if targets:
+        settings = lora_settings(lora.meta, _rows(holders[source_key_of[targets[0].a_name]]), lora.overrides)
+        for target in targets:
+            weight = f"{target.module}.weight"
+            if weight not in plans:
+                raise ExportError(f"LoRA module '{target.module}' has no base weight '{weight}'")
+            out_features, in_features = plans[weight].shape
+            halves = []
+            for which, normalized, shape in (("A", target.a_name, (settings.r, in_features)),
+                                             ("B", target.b_name, (out_features, settings.r))):
+                key = source_key_of[normalized]
+                halves.append(plan_for(adapter_tensor_name(target, which), key, shape, holders[key]))
+            if lora.mode in ("merge", "both"):
+                plans[weight] = replace(plans[weight], lora=LoraMerge(halves[0], halves[1], settings.scale))
+            if lora.mode in ("adapter", "both"):
+                adapters.extend(halves)
+    tied_key_pairs = [(checkpoint_key[canonical], checkpoint_key[alias]) for canonical, alias in resolution.to_compare]
+    return TensorPlanning(
+        tensors=[plans[name] for name in wanted], adapters=adapters, resolution=resolution,
+        tied_key_pairs=tied_key_pairs, lora=settings, lora_targets=targets,
+    )
+
+
+def output_dtype(source_dtype: str, requested: str, config_dtype: str | None) -> str:
+    """The dtype a tensor is written in: integers and bools are never cast."""
+    if source_dtype not in SAFETENSORS_DTYPES:
+        raise ExportError(f"dtype {source_dtype} cannot be written to safetensors")
+    if not dtype_of(source_dtype).is_floating_point:
+        return source_dtype
+    if requested == "auto":
+        return config_dtype or source_dtype
+    return requested
+
+
+def _rows(infos: dict[int, ShardInfo]) -> int:
+    """The first dimension of a tensor spread over ranks (a LoRA A's rank r)."""
+    first = next(iter(infos.values()))
+    if first.global_shape is not None:
+        return first.global_shape[0]
+    shapes = {info.local_shape for info in infos.values()}
+    return first.local_shape[0] if len(shapes) == 1 else sum(info.local_shape[0] for info in infos.values())

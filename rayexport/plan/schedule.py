@@ -1,0 +1,168 @@
+"""Scheduling: the output files (huggingface_hub's split rule, safetensors' order), which
+worker reads which rank files, and the buckets each writer gathers, in the order every worker
+steps through them. Pure functions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from rayexport.dtypes import SAFETENSORS_ORDER
+from rayexport.plan.naming import TensorPlan
+from rayexport.plan.pieces import Piece
+
+# Packed buffers keep every piece at an offset that any dtype can be viewed at.
+PACK_ALIGNMENT = 16
+SAFETENSORS_NAME_PATTERN = "model{suffix}.safetensors"
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One output safetensors file and its tensors, in the order they are written."""
+
+    filename: str
+    tensors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors gathered in one step by the worker that writes them; `sends[w]` are the pieces
+    worker w packs, in order (the writer's own pieces never leave it)."""
+
+    tensors: tuple[str, ...]
+    sends: tuple[tuple[Piece, ...], ...]
+    writer: int = 0
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The whole gather: every bucket in the order all workers step through them, and the
+    output files each writer streams (`files[w]`, in order)."""
+
+    buckets: tuple[Bucket, ...]
+    files: tuple[tuple[ShardFile, ...], ...]
+
+
+def safetensors_order(tensors: list[TensorPlan]) -> list[TensorPlan]:
+    """The order `safetensors.torch.save` lays tensors out in a file: by the library's dtype
+    order, last first, then by name; matching it makes a streamed shard byte-identical to a
+    library save."""
+    return sorted(tensors, key=lambda plan: (-SAFETENSORS_ORDER[plan.dtype], plan.name))
+
+
+def plan_shard_files(tensors: list[TensorPlan], max_shard_size: int | str) -> list[ShardFile]:
+    """Split the output into HF-convention files (huggingface_hub's greedy rule)."""
+    by_name = {plan.name: plan for plan in tensors}
+    split = split_state_dict_into_shards_factory(
+        by_name,
+        get_storage_size=lambda plan: plan.nbytes,
+        filename_pattern=SAFETENSORS_NAME_PATTERN,
+        max_shard_size=max_shard_size,
+    )
+    return [
+        ShardFile(
+            filename=filename,
+            tensors=tuple(plan.name for plan in safetensors_order([by_name[n] for n in names])),
+        )
+        for filename, names in split.filename_to_tensors.items()
+    ]
+
+
+def assign_ranks(ranks: list[int], num_workers: int) -> dict[int, int]:
+    """Spread the rank files to read over the workers in contiguous blocks; rank 0 stays on
+    worker 0, the exporter, so its shards never cross the network."""
+    ranks = sorted(ranks)
+    per_worker = math.ceil(len(ranks) / num_workers)
+    return {rank: position // per_worker for position, rank in enumerate(ranks)}
+
+
+def keep_ties_together(keys_by_worker: list[list[str]], aliases: dict[str, str]) -> list[list[str]]:
+    """Move each tied alias to the worker that reads its canonical tensor, so the two saved
+    copies can be compared where they are read (DCP stores both)."""
+    worker_of = {key: worker for worker, keys in enumerate(keys_by_worker) for key in keys}
+    moved = [list(keys) for keys in keys_by_worker]
+    for alias, canonical in aliases.items():
+        if alias in worker_of and canonical in worker_of and worker_of[alias] != worker_of[canonical]:
+            moved[worker_of[alias]].remove(alias)
+            moved[worker_of[canonical]].append(alias)
+    return moved
+
+
+def assign_writers(files: list[ShardFile], plans: dict[str, TensorPlan], writers: int) -> list[int]:
+    """The writer of each output file: largest files first, each to the least-loaded writer
+    (ties to the lowest index), so `writers` workers upload about equal bytes."""
+    loads = [0] * writers
+    writer_of = [0] * len(files)
+    sizes = [sum(plans[name].nbytes for name in shard.tensors) for shard in files]
+    for position in sorted(range(len(files)), key=lambda position: (-sizes[position], position)):
+        writer = min(range(writers), key=lambda writer: (loads[writer], writer))
+        writer_of[position] = writer
+        loads[writer] += sizes[position]
+    return writer_of
+
+
+def plan_buckets(
+    tensors_in_order: list[TensorPlan],
+    worker_of_rank: dict[int, int],
+    num_workers: int,
+    bucket_size: int,
+    writer: int = 0,
+) -> list[Bucket]:
+    """Group output tensors, in write order, into buckets of at most `bucket_size` gathered
+    bytes (a larger tensor travels alone), each gathered to `writer` in one step."""
+    groups: list[list[TensorPlan]] = []
+    size = 0
+    for plan in tensors_in_order:
+        nbytes = sum(piece.nbytes for piece in plan.all_pieces)
+        if not groups or (size + nbytes > bucket_size and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(plan)
+        size += nbytes
+    buckets = []
+    for group in groups:
+        sends: list[list[Piece]] = [[] for _ in range(num_workers)]
+        for plan in group:
+            for piece in plan.all_pieces:
+                sends[worker_of_rank[piece.rank]].append(piece)
+        buckets.append(
+            Bucket(tensors=tuple(plan.name for plan in group), sends=tuple(map(tuple, sends)), writer=writer)
+        )
+    return buckets
+
+
+def plan_transfer(
+    files: list[ShardFile],
+    plans: dict[str, TensorPlan],
+    worker_of_rank: dict[int, int],
+    num_workers: int,
+    bucket_size: int,
+    writers: int = 1,
+) -> TransferPlan:
+    """Bucket each writer's files in write order, then interleave the writers' buckets so that
+    while one writer uploads, the next bucket is already on its way to another."""
+    writers = max(1, min(writers, num_workers, len(files) or 1))
+    writer_of = assign_writers(files, plans, writers)
+    files_of = [tuple(shard for shard, owner in zip(files, writer_of) if owner == writer) for writer in range(writers)]
+    queues = [
+        plan_buckets(
+            [plans[name] for shard in files_of[writer] for name in shard.tensors],
+            worker_of_rank, num_workers, bucket_size, writer,
+        )
+        for writer in range(writers)
+    ]
+    interleaved = [bucket for round_ in itertools.zip_longest(*queues) for bucket in round_ if bucket is not None]
+    return TransferPlan(tuple(interleaved), tuple(files_of) + ((),) * (num_workers - writers))
+
+
+def packed_offsets(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
+    """Byte offset of each piece in a packed buffer, and the buffer's size."""
+    offsets, position = [], 0
+    for piece in pieces:
+        offsets.append(position)
+        position += -(-piece.nbytes // PACK_ALIGNMENT) * PACK_ALIGNMENT
+    return offsets, position

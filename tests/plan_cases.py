@@ -1,0 +1,58 @@
+"""Rank-file metadata for the planning tests: DTensor shards as FSDP2 lays them out, and the
+expected model names and shapes."""
+
+import math
+
+import torch
+
+from rayexport.layouts.shards import ShardInfo
+from rayexport.plan.pieces import holders_from_ranks
+from rayexport.plan.naming import plan_holdings
+
+
+def plan_tensors(rank_infos, *args, **kwargs):
+    """Planning for rank files, as the exporter does it for a verl checkpoint."""
+    return plan_holdings(holders_from_ranks(rank_infos), *args, **kwargs)
+
+
+EMBED, HEAD, NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
+TIED = {HEAD: EMBED}
+
+
+def chunk_sizes(rows, parts):
+    """Rows per rank as torch.chunk (the rule FSDP2's Shard follows) splits them."""
+    sizes = [len(chunk) for chunk in torch.arange(rows).chunk(parts)]
+    return sizes + [0] * (parts - len(sizes))
+
+
+def dtensor(global_shape, rank, world_size, dtype="float32", dim=0):
+    """A rank's ShardInfo for a DTensor sharded along `dim` on a 1-D ("fsdp",) mesh."""
+    local = list(global_shape)
+    local[dim] = chunk_sizes(global_shape[dim], world_size)[rank]
+    return ShardInfo(
+        local_shape=tuple(local), dtype=dtype, global_shape=tuple(global_shape),
+        placements=(f"S{dim}",), mesh_shape=(world_size,), mesh_ranks=tuple(range(world_size)),
+        coordinate=(rank,),
+    )
+
+
+def extent_info(global_shape, placements, mesh_shape, coordinate):
+    return ShardInfo(
+        local_shape=(), dtype="float32", global_shape=tuple(global_shape), placements=tuple(placements),
+        mesh_shape=tuple(mesh_shape), mesh_ranks=tuple(range(math.prod(mesh_shape))),
+        coordinate=tuple(coordinate),
+    )
+
+
+def fsdp2_ranks(shapes, world_size, dtypes=None):
+    """rank -> key -> ShardInfo for a checkpoint of DTensors sharded on dim 0."""
+    dtypes = dtypes or {}
+    return {
+        rank: {key: dtensor(shape, rank, world_size, dtypes.get(key, "float32")) for key, shape in shapes.items()}
+        for rank in range(world_size)
+    }
+
+
+def expected_of(shapes, dtypes=None):
+    dtypes = dtypes or {}
+    return {name: (tuple(shape), dtypes.get(name, "float32")) for name, shape in shapes.items()}
