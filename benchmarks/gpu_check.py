@@ -29,7 +29,8 @@ from multiprocessing import get_context
 
 import torch
 
-from rayexport.job import WorkerGroup, run_export
+from rayexport.group import WorkerGroup
+from rayexport.job import run_export
 from rayexport.options import ExportOptions
 from rayexport.placement import Devices
 from rayexport.verification import verify_export

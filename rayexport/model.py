@@ -3,17 +3,26 @@ names, shapes and ties of its tensors, learnt on the meta device (no weights, no
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rayexport.dtypes import dtype_name
+from rayexport.dtypes import dtype_name, dtype_of
 from rayexport.errors import ExportError, one_line
+from rayexport.layouts.dcp import DcpCheckpoint
+from rayexport.layouts.verl import HF_DIR, VerlCheckpoint
+from rayexport.lora import ADAPTER_DIR, adapter_config
+from rayexport.options import ExportOptions
+from rayexport.plan.naming import TensorPlanning
+from rayexport.remote_code import auto_map_files, bundle_model_code
 from rayexport.storage import Store
+from rayexport.ties import find_tie_aliases
 
 WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.safetensors\.index\.json|\.bin\.index\.json)$")
 
@@ -137,3 +146,93 @@ def exported_config(raw_config: dict, dtype: str | None) -> dict:
     if isinstance(config.get("auto_map"), dict):
         config["auto_map"] = {key: value for key, value in config["auto_map"].items() if value is not None}
     return config
+
+
+def describe_model(hf_store: Store, base_model: Store | None, options: ExportOptions) -> dict[str, Any]:
+    """Config, meta-model names/shapes and tie aliases, and every file the export carries
+    (tokenizer, generation config, remote code), from the checkpoint's HF folder. Remote code
+    the folder lacks comes from the base model folder, else from the model's class module."""
+    with tempfile.TemporaryDirectory(prefix="rayexport-hf-") as local:
+        names = fetch_hf_folder(hf_store, local)
+        with open(os.path.join(local, "config.json"), "rb") as handle:
+            raw_config = _parse_json(handle.read(), hf_store.display("config.json"))
+        code_files = auto_map_files(raw_config)
+        if base_model is not None:
+            wanted = [name for name in code_files if name not in names]
+            available = set(hf_file_names(base_model)) if wanted else set()
+            for name in wanted:
+                if name in available:
+                    with open(os.path.join(local, name), "wb") as handle:
+                        handle.write(base_model.read_bytes(name))
+        config = load_config(local, raw_config, options.trust_remote_code)
+        meta_model = build_meta_model(config, options.trust_remote_code)
+        if any(not os.path.exists(os.path.join(local, name)) for name in code_files):
+            bundle_model_code(meta_model, local)
+        for name in code_files:
+            if not os.path.exists(os.path.join(local, name)):
+                raise ExportError(f"config.json's auto_map needs {name}, which is neither in '{hf_store.uri}' nor bundled")
+        carried = {}
+        for folder, _, files in os.walk(local):
+            for file in files:
+                path = os.path.join(folder, file)
+                with open(path, "rb") as handle:
+                    carried[os.path.relpath(path, local)] = handle.read()
+    return {
+        "carried": carried,
+        "raw_config": raw_config,
+        "config_dtype": config_dtype(config),
+        "expected": expected_tensors(meta_model),
+        "aliases": find_tie_aliases(meta_model),
+    }
+
+
+def _parse_json(data: bytes, uri: str) -> dict:
+    try:
+        value = json.loads(data)
+    except ValueError as error:
+        raise ExportError(f"'{uri}' is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ExportError(f"'{uri}' is not a JSON object")
+    return value
+
+
+def hf_folder(
+    source: Store, checkpoint: VerlCheckpoint | DcpCheckpoint, hf_config: Store | None, base_model: Store | None
+) -> Store:
+    """Where config, tokenizer and code come from: the checkpoint's `huggingface/`, else
+    `--hf-config`, else the `--base-model` folder."""
+    if checkpoint.has_hf_config:
+        return source.child(HF_DIR)
+    for folder in (hf_config, base_model):
+        if folder is not None:
+            if not folder.exists("config.json"):
+                raise ExportError(f"missing '{folder.display('config.json')}'")
+            return folder
+    raise ExportError(
+        f"missing '{source.display(HF_DIR + '/config.json')}': pass --hf-config URI (a folder with the "
+        f"model's config.json and tokenizer) or --base-model"
+    )
+
+
+def generated_files(raw_config: dict, planning: TensorPlanning, untie: bool, options: ExportOptions) -> dict[str, bytes]:
+    """Files the export writes from what it learnt: config.json (and adapter_config.json)."""
+    floating = sorted({plan.dtype for plan in planning.tensors if dtype_of(plan.dtype).is_floating_point})
+    config = exported_config(raw_config, floating[0] if len(floating) == 1 else None)
+    if untie:
+        config["tie_word_embeddings"] = False
+    files = {"config.json": _json_bytes(config)}
+    if planning.adapters:
+        files[f"{ADAPTER_DIR}/adapter_config.json"] = _json_bytes(
+            adapter_config(planning.lora, planning.lora_targets, options.base_model)
+        )
+    return files
+
+
+def _json_bytes(value: dict) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True, default=_jsonable) + "\n").encode()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from rayexport.errors import ExportError
-from rayexport.job import _step_limit, export, verify_level
+from rayexport.group import step_limit
+from rayexport.job import export, verify_level
 from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
 
 
@@ -18,11 +19,11 @@ def test_auto_verification_is_full_for_models_that_fit():
 
 def test_a_step_gets_the_timeout_unless_the_job_deadline_is_nearer():
     options = ExportOptions(src="a", dst="b", timeout_s=60, deadline_s=600)
-    assert _step_limit(options, time.monotonic() + 600) == (60, "--timeout")
-    seconds, source = _step_limit(options, time.monotonic() + 5)
+    assert step_limit(options, time.monotonic() + 600) == (60, "--timeout")
+    seconds, source = step_limit(options, time.monotonic() + 5)
     assert 4 < seconds <= 5 and source.startswith("--deadline 600 s")
     with pytest.raises(ExportError, match="past its --deadline 600 s"):
-        _step_limit(options, time.monotonic() - 1)
+        step_limit(options, time.monotonic() - 1)
 
 
 def test_an_export_past_its_deadline_stops_and_commits_nothing(checkpoints, ray_address, tmp_path):

@@ -1,0 +1,60 @@
+"""The export report: what one export did, for a person (`summary`) and for tools (`to_json`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class ExportReport:
+    """What an export did: per-stage seconds, bytes, peak memory per actor, files, verification."""
+
+    source: str
+    destination: str
+    manifest: str
+    layout: str
+    world_size: int
+    workers: int
+    backend: str
+    tensor_count: int
+    backend_reason: str = ""  # why this backend (and these GPUs): an option, or what was free
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)
+    # per worker: its peak memory above what it held before loading (the transfer window)
+    working_memory_bytes: dict[str, int | None] = field(default_factory=dict)
+    peak_gpu_bytes: dict[str, int] = field(default_factory=dict)  # per GPU worker: its transfer's peak
+    files_by_worker: dict[str, list[str]] = field(default_factory=dict)  # which worker wrote what
+    placement: dict[str, dict[str, Any]] = field(default_factory=dict)  # each worker's Ray node and process
+    warm_start: bool = False  # the workers came from a warm pool
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    verification: dict[str, Any] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # checkpoint entries that are not model tensors
+    already_committed: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def summary(self) -> str:
+        """A few lines for a person."""
+        if self.already_committed:
+            return f"{self.destination} already holds a committed export of {self.source}; nothing to do"
+        total = sum(self.seconds.values())
+        written = self.bytes.get("written", 0)
+        lines = [
+            f"exported {self.source}",
+            f"      to {self.destination}",
+            f"  {self.tensor_count} tensors in {sum(name.endswith('.safetensors') for name in self.files)} "
+            f"safetensors file(s), {written / 1e6:.1f} MB, {self.workers} worker(s) over {self.backend} "
+            f"({self.backend_reason})",
+            "  stages: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.seconds.items())
+            + f" (total {total:.1f}s)",
+            "  peak memory per actor: "
+            + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in self.peak_rss_bytes.items()),
+            f"  verified ({self.verification.get('level')}): " + ", ".join(self.verification.get("checks", {}))
+            if self.verification.get("passed") else "  verification skipped (--verify none)",
+            f"  committed: {self.manifest}",
+        ]
+        return "\n".join(lines)
