@@ -1,8 +1,12 @@
-"""The export's options: one plain dataclass shared by the CLI, `export()` and the manifest."""
+"""The export's options: one plain dataclass shared by the CLI, `export()`, `export_remote()`
+and the manifest. Each field carries its default, help text, group and command-line form
+(`option(...)`); the CLI's parser is built from the fields (`add_option_arguments`)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +21,11 @@ VERIFY_LEVELS = ("auto", "full", "quick", "none")
 FULL_VERIFY_LIMIT = 8 * 10**9
 LORA_MODES = ("merge", "adapter", "both")
 LAYOUTS = ("auto", "verl", "dcp")
+# The --help groups, in the order a user meets them.
+SOURCE, OUTPUT, CLUSTER, LORA, VERIFICATION, SAFETY = (
+    "source", "output", "cluster", "LoRA", "verification", "safety",
+)
+GROUPS = (SOURCE, OUTPUT, CLUSTER, LORA, VERIFICATION, SAFETY)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -32,46 +41,105 @@ def parse_size(value: int | str) -> int:
     return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
 
 
+def option(
+    default: Any = None,
+    help: str = "",
+    *,
+    group: str,
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    recorded: bool = False,
+    default_factory: Any = None,
+    required: bool = False,
+) -> Any:
+    """A field of `ExportOptions` with what the CLI needs: `help` (the default is appended to
+    it unless None or False), its `group` in --help, its `flag` (default: from the field's
+    name), `choices`, `metavar`; `recorded`: stored in the manifest (the options that decide
+    the export's bytes); `required`: no default (the CLI then defaults to None and checks)."""
+    metadata = {
+        "help": help, "group": group, "flag": flag, "choices": choices, "metavar": metavar, "recorded": recorded,
+    }
+    if required:
+        return field(metadata=metadata)
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class ExportOptions:
     """Everything one export needs to know. Sizes accept ints or strings like '1GiB'."""
 
-    src: str
-    dst: str
-    workers: int | None = None
-    writers: int = 1
-    backend: str = "auto"
-    bucket_size: int | str = "1GiB"
-    max_shard_size: int | str = "5GB"
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    verify: str = "auto"
-    force: bool = False
-    timeout_s: float = 1800.0
-    deadline_s: float = 86400.0  # the whole export, start to commit
-    num_cpus_per_worker: float = 1.0
+    src: str = option(help="checkpoint prefix (local path, file://, s3://, any fsspec URI)", group=SOURCE,
+                      metavar="URI", required=True)
+    dst: str = option(help="where the Hugging Face model is written", group=OUTPUT, metavar="URI", required=True)
+    layout: str = option("auto", "verl rank files or a PyTorch DCP directory (auto: from the files present)",
+                         group=SOURCE, choices=LAYOUTS)
+    hf_config: str | None = option(help="HF folder with config.json and tokenizer when SRC has no huggingface/",
+                                   group=SOURCE, metavar="URI")
+    dcp_prefix: str | None = option(help="key prefix of the model in a DCP state dict (default: detected)",
+                                    group=SOURCE, metavar="PREFIX", recorded=True)
+    storage_options: dict[str, Any] = option(
+        help='fsspec/s3fs options for SRC and DST, e.g. \'{"endpoint_url": "http://..."}\'',
+        group=SOURCE, metavar="JSON", default_factory=dict,
+    )
+    dtype: str = option("auto", "output dtype of floating tensors (auto: the config's, else the source's)",
+                        group=OUTPUT, choices=DTYPES, recorded=True)
+    max_shard_size: int | str = option("5GB", "largest safetensors file", group=OUTPUT, metavar="SIZE", recorded=True)
+    untie: bool = option(False, "tied tensors whose saved values differ: keep both and untie the config",
+                         group=OUTPUT, recorded=True)
+    force: bool = option(False, "replace a committed export at DST", group=OUTPUT)
+    workers: int | None = option(help="worker actors (default: min(world size, cluster CPUs))", group=CLUSTER,
+                                 metavar="N")
+    writers: int = option(1, "workers that each write a disjoint share of the output files", group=CLUSTER,
+                          metavar="K")
+    backend: str = option(
+        "auto", "nccl (a whole GPU per worker) or gloo (CPUs); auto: nccl only when every worker finds a whole "
+        "free GPU at the start, else gloo (the log says why)", group=CLUSTER, choices=BACKENDS,
+    )
+    bucket_size: int | str = option("1GiB", "bytes gathered per step; a worker holds at most two buckets",
+                                    group=CLUSTER, metavar="SIZE")
+    num_cpus_per_worker: float = option(1.0, "Ray CPUs each worker reserves", group=CLUSTER, metavar="N")
     # None: one per worker when the backend is (or `auto` picks) nccl, none with gloo
-    num_gpus_per_worker: float | None = None
-    placement_timeout_s: float = 60.0  # how long the workers may wait for the cluster to place them
-    log_level: str = "INFO"
-    lora: str = "merge"
-    base_model: str | None = None
-    lora_alpha: float | None = None
-    lora_rslora: bool | None = None
-    untie: bool = False
-    strict: bool = False
-    unsafe_pickle: bool = False
-    layout: str = "auto"
-    hf_config: str | None = None
-    dcp_prefix: str | None = None
-    pool: str | None = None  # a warm pool's name: reuse its idle workers, and leave them there
-    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    num_gpus_per_worker: float | None = option(
+        help="GPUs each worker reserves (default: 1 when the backend is nccl, 0 with gloo; 0 keeps the export "
+        "off the GPUs; nccl needs a whole number)", group=CLUSTER, metavar="N",
+    )
+    placement_timeout_s: float = option(
+        60.0, "seconds to wait for the cluster to place the workers before failing with what is missing "
+        "(raise it where nodes are added on demand)", group=CLUSTER, flag="--placement-timeout", metavar="S",
+    )
+    timeout_s: float = option(1800.0, "seconds each distributed step and the verification may take",
+                              group=CLUSTER, flag="--timeout", metavar="S")
+    deadline_s: float = option(86400.0, "seconds the whole export may take, start to commit",
+                               group=CLUSTER, flag="--deadline", metavar="S")
+    pool: str | None = option(help="keep the worker actors alive in the warm pool NAME for the next export",
+                              group=CLUSTER, metavar="NAME")
+    log_level: str = option("INFO", "logging level of the driver and the workers", group=CLUSTER,
+                            choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    lora: str = option("merge", "LoRA checkpoints: merge into the base, write the adapter, or both",
+                       group=LORA, choices=LORA_MODES, recorded=True)
+    base_model: str | None = option(help="HF model folder with the base weights of a LoRA-only checkpoint",
+                                    group=LORA, metavar="URI", recorded=True)
+    lora_alpha: float | None = option(help="LoRA alpha when lora_train_meta.json lacks it", group=LORA,
+                                      metavar="ALPHA", recorded=True)
+    lora_rslora: bool | None = option(help="the adapter was trained with rsLoRA", group=LORA, recorded=True)
+    verify: str = option(
+        "auto", "checks before commit: full (every tensor, reload and forward pass), quick (a sample, keys "
+        "only), none; auto = full up to 8 GB, else quick", group=VERIFICATION, choices=VERIFY_LEVELS, recorded=True,
+    )
+    strict: bool = option(False, "fail on NaN/Inf weights instead of warning", group=SAFETY, recorded=True)
+    trust_remote_code: bool = option(False, "allow the model's own code to run (plan and reload)",
+                                     group=SAFETY, recorded=True)
+    unsafe_pickle: bool = option(False, "load rank files with the full unpickler (runs code in them; trusted "
+                                 "files only)", group=SAFETY)
 
     def __post_init__(self) -> None:
-        checked = (("backend", BACKENDS), ("dtype", DTYPES), ("verify", VERIFY_LEVELS), ("lora", LORA_MODES), ("layout", LAYOUTS))
-        for name, allowed in checked:
-            if getattr(self, name) not in allowed:
-                raise ExportError(f"--{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        for item in dataclasses.fields(self):
+            allowed = item.metadata["choices"]
+            if allowed and getattr(self, item.name) not in allowed:
+                raise ExportError(f"{cli_flag(item)} must be one of {', '.join(allowed)}, not {getattr(self, item.name)!r}")
         self.bucket_size = parse_size(self.bucket_size)
         self.max_shard_size = parse_size(self.max_shard_size)
         if self.workers is not None and self.workers < 1:
@@ -91,11 +159,42 @@ class ExportOptions:
 
     def recorded(self) -> dict[str, Any]:
         """The options that decide the export's bytes, as stored in the manifest (no secrets)."""
-        return {
-            name: value
-            for name, value in dataclasses.asdict(self).items()
-            if name in (
-                "dtype", "max_shard_size", "trust_remote_code", "verify", "lora", "base_model",
-                "lora_alpha", "lora_rslora", "untie", "strict", "dcp_prefix",
-            )
-        }
+        return {item.name: getattr(self, item.name) for item in dataclasses.fields(self) if item.metadata["recorded"]}
+
+
+def cli_flag(item: dataclasses.Field) -> str:
+    """The command-line flag of an `ExportOptions` field."""
+    return item.metadata["flag"] or "--" + item.name.replace("_", "-")
+
+
+def add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argument per `ExportOptions` field, in its --help group; bools are switches, sizes
+    and URIs strings, `storage_options` JSON. Defaults come from the fields."""
+    groups = {name: parser.add_argument_group(f"{name} options") for name in GROUPS}
+    for item in dataclasses.fields(ExportOptions):
+        meta = item.metadata
+        if item.default_factory is not dataclasses.MISSING:
+            default = item.default_factory()
+        else:
+            default = None if item.default is dataclasses.MISSING else item.default
+        shown = f"{default:g}" if isinstance(default, float) else default
+        help_text = meta["help"] + (f" (default: {shown})" if default not in (None, False, {}) else "")
+        kwargs: dict[str, Any] = {"dest": item.name, "default": default, "help": help_text}
+        if item.type in ("bool", "bool | None"):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = _ARGUMENT_TYPES.get(item.type, str)
+            kwargs["choices"] = meta["choices"]
+            kwargs["metavar"] = meta["metavar"]
+        groups[meta["group"]].add_argument(cli_flag(item), **kwargs)
+
+
+def options_from_arguments(arguments: argparse.Namespace) -> dict[str, Any]:
+    """The `ExportOptions` fields a parsed command line set, `src` and `dst` included."""
+    return {item.name: getattr(arguments, item.name) for item in dataclasses.fields(ExportOptions)}
+
+
+# argparse types by annotation (this module's annotations are strings); the rest are read as text
+_ARGUMENT_TYPES = {
+    "int | None": int, "int": int, "float": float, "float | None": float, "dict[str, Any]": json.loads,
+}
