@@ -10,6 +10,8 @@ import os
 import time
 from typing import Any
 
+from huggingface_hub import StateDictSplit
+
 from rayexport.errors import ExportError, one_line
 from rayexport.layouts.dcp import DcpCheckpoint, assign_tensors
 from rayexport.layouts.verl import VerlCheckpoint
@@ -17,7 +19,7 @@ from rayexport.options import ExportOptions
 from rayexport.placement import Devices, choose_devices, missing_resources
 from rayexport.plan.naming import TensorPlanning
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, holders_from_ranks, needed_ranks
-from rayexport.plan.schedule import ShardFile, TransferPlan, assign_ranks, keep_ties_together
+from rayexport.plan.schedule import TransferPlan, assign_ranks, keep_ties_together
 from rayexport.pool import IdleGroup, get_keeper, group_shape
 from rayexport.storage import Store
 from rayexport.verification import ExpectedExport, verify_export
@@ -308,13 +310,13 @@ class WorkerGroup:
         return {name: sorted(records, key=lambda record: record["offset"]) for name, records in sorted(pieces.items())}
 
     def transfer(
-        self, transfer: TransferPlan, plans: dict, index_files: list[ShardFile], destination: Store, carried: dict[str, bytes]
+        self, transfer: TransferPlan, plans: dict, split: StateDictSplit, destination: Store, carried: dict[str, bytes]
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Run the gather: every worker sends its pieces and writes its files; worker 0 also
         writes the index and the carried files. Returns (every file and tensor digest, stats
         per worker)."""
         results = self._get([
-            actor.transfer.remote(transfer, plans, destination, index_files if index == 0 else [], carried if index == 0 else {})
+            actor.transfer.remote(transfer, plans, destination, split if index == 0 else None, carried if index == 0 else {})
             for index, actor in enumerate(self.actors)
         ])
         merged: dict[str, Any] = {"files": {}, "tensor_digests": {}}

@@ -22,7 +22,8 @@ from rayexport.plan.schedule import ShardFile, plan_shard_files, plan_transfer, 
 from rayexport.report import ExportReport
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.ties import check_tied_values
-from rayexport.verification import ADAPTER_WEIGHTS, ExpectedExport
+from rayexport.lora import ADAPTER_WEIGHTS
+from rayexport.verification import ExpectedExport
 from rayexport.workers import peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
             return plan_holdings(holders, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
 
         planning, aliases, untied = _plan_ties(plan, model["aliases"], group, options.untie)
-        shard_files = plan_shard_files(planning.tensors, options.max_shard_size)
+        shard_files, split = plan_shard_files(planning.tensors, options.max_shard_size)
         adapter_files = [ShardFile(ADAPTER_WEIGHTS, tuple(plan.name for plan in safetensors_order(planning.adapters)))] if planning.adapters else []
         by_name = {plan.name: plan for plan in planning.tensors + planning.adapters}
         transfer = plan_transfer(
@@ -100,7 +101,7 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         source_pieces = group.source_pieces(planning, worker_of_rank) if level != "none" else {}
         carried = {**model["carried"], **generated_files(model["raw_config"], planning, untied, options)}
         with _stage(seconds, "transfer"):
-            result, worker_stats = group.transfer(transfer, by_name, shard_files, destination, carried)
+            result, worker_stats = group.transfer(transfer, by_name, split, destination, carried)
     finally:
         group.shutdown()
 

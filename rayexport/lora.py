@@ -31,6 +31,10 @@ UNMERGEABLE = {
 }
 LORA_BIAS = re.compile(r"\.lora_B\.[^.]+\.bias$")
 ADAPTER_DIR = "lora_adapter"
+# peft's SAFETENSORS_WEIGHTS_NAME and CONFIG_NAME inside ADAPTER_DIR (peft is imported only
+# where it runs: importing it pulls in transformers)
+ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
+ADAPTER_CONFIG = f"{ADAPTER_DIR}/adapter_config.json"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from rayexport.dtypes import dtype_name, dtype_of
 from rayexport.errors import ExportError, one_line
 from rayexport.layouts.dcp import DcpCheckpoint
 from rayexport.layouts.verl import HF_DIR, VerlCheckpoint
-from rayexport.lora import ADAPTER_DIR, adapter_config
+from rayexport.lora import ADAPTER_CONFIG, adapter_config
 from rayexport.options import ExportOptions
 from rayexport.plan.naming import TensorPlanning
 from rayexport.remote_code import auto_map_files, bundle_model_code
@@ -222,7 +222,7 @@ def generated_files(raw_config: dict, planning: TensorPlanning, untie: bool, opt
         config["tie_word_embeddings"] = False
     files = {"config.json": _json_bytes(config)}
     if planning.adapters:
-        files[f"{ADAPTER_DIR}/adapter_config.json"] = _json_bytes(
+        files[ADAPTER_CONFIG] = _json_bytes(
             adapter_config(planning.lora, planning.lora_targets, options.base_model)
         )
     return files

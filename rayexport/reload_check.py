@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
+
+from rayexport.lora import ADAPTER_WEIGHTS
 
 PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -90,7 +93,7 @@ def _adapter_missing(model: torch.nn.Module, adapter: str) -> list[str]:
     from safetensors.torch import load_file
 
     loaded = get_peft_model_state_dict(PeftModel.from_pretrained(model, adapter))
-    saved = load_file(f"{adapter}/adapter_model.safetensors")
+    saved = load_file(os.path.join(adapter, os.path.basename(ADAPTER_WEIGHTS)))
     return sorted(
         name for name, tensor in saved.items()
         if name not in loaded or not torch.equal(loaded[name].to(tensor.dtype), tensor)

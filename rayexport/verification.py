@@ -16,15 +16,14 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
+
 from rayexport.dtypes import SAFETENSORS_DTYPES, TORCH_NAME_OF_CODE, nbytes
 from rayexport.errors import ExportError
-from rayexport.lora import ADAPTER_DIR
+from rayexport.lora import ADAPTER_DIR, ADAPTER_WEIGHTS
 from rayexport.storage import Store
-from rayexport.writer import INDEX_NAME
 
 SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-SINGLE_FILE = "model.safetensors"
-ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
 # Variables that carry storage credentials; never passed to the process that imports remote code.
 SECRET_ENV = re.compile(r"^(AWS_|GOOGLE_|AZURE_|GCS_|S3_|HF_TOKEN|HUGGING_FACE_HUB_TOKEN)")
 
@@ -80,16 +79,16 @@ class ExpectedExport:
 
 def shard_names(local_dir: str) -> list[str]:
     """The weight files an export's index (or single file) names, after checking the names."""
-    index_path = os.path.join(local_dir, INDEX_NAME)
+    index_path = os.path.join(local_dir, SAFETENSORS_INDEX_FILE)
     if not os.path.exists(index_path):
-        if not os.path.exists(os.path.join(local_dir, SINGLE_FILE)):
-            raise VerificationError(f"structure: neither {INDEX_NAME} nor {SINGLE_FILE} exists")
-        return [SINGLE_FILE]
+        if not os.path.exists(os.path.join(local_dir, SAFETENSORS_SINGLE_FILE)):
+            raise VerificationError(f"structure: neither {SAFETENSORS_INDEX_FILE} nor {SAFETENSORS_SINGLE_FILE} exists")
+        return [SAFETENSORS_SINGLE_FILE]
     try:
         with open(index_path) as handle:
             weight_map = json.load(handle)["weight_map"]
     except (ValueError, KeyError, TypeError) as error:
-        raise VerificationError(f"structure: {INDEX_NAME} is not a valid index: {error}") from None
+        raise VerificationError(f"structure: {SAFETENSORS_INDEX_FILE} is not a valid index: {error}") from None
     names = sorted(set(weight_map.values()))
     for name in names:
         if not isinstance(name, str) or not SHARD_NAME.match(name):
@@ -121,8 +120,8 @@ def check_structure(local_dir: str) -> dict[str, Any]:
             raise
         except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
             raise VerificationError(f"structure: shard {name} cannot be parsed: {error}") from None
-    if len(names) > 1 or os.path.exists(os.path.join(local_dir, INDEX_NAME)):
-        with open(os.path.join(local_dir, INDEX_NAME)) as handle:
+    if len(names) > 1 or os.path.exists(os.path.join(local_dir, SAFETENSORS_INDEX_FILE)):
+        with open(os.path.join(local_dir, SAFETENSORS_INDEX_FILE)) as handle:
             index = json.load(handle)
         if set(index["weight_map"]) != set(seen) or any(
             seen[key] != shard for key, shard in index["weight_map"].items()

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import torch
+from huggingface_hub import StateDictSplit
 from tqdm import tqdm
 
 from rayexport import transport
@@ -32,7 +33,7 @@ from rayexport.layouts.verl import VerlCheckpoint, load_rank_state
 from rayexport.layouts.mapped import mapped_ranges, release_pages
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
-from rayexport.plan.schedule import ShardFile, TransferPlan
+from rayexport.plan.schedule import TransferPlan
 from rayexport.storage import Store
 from rayexport.writer import WrittenFile, tensor_bytes, write_index, write_shards
 
@@ -202,11 +203,12 @@ class ExportWorker:
         transfer: TransferPlan,
         plans: dict[str, TensorPlan],
         destination: Store,
-        index_files: list[ShardFile],
+        index: StateDictSplit | None,
         carried: dict[str, bytes],
     ) -> dict[str, Any]:
         """This worker's part of the gather: send its pieces, and write the output files
-        `transfer` gives it; worker 0 then writes `index_files`' index and the small files the
+        `transfer` gives it; worker 0 then writes the index of the model's files (`index`, the
+        shard split) and the small files the
         export carries (config, tokenizer, code). Returns every file it wrote, with size and
         digest, each tensor's digest, and its bytes and memory."""
         started = time.perf_counter()
@@ -223,8 +225,10 @@ class ExportWorker:
             self.index, transfer.buckets, plans, self._local, self.device,
             write if my_files else None, after_read=self.release_pages,
         ) or ([], {})
-        index = write_index(destination, index_files, plans) if index_files else None
-        files = {item.name: {"size": item.size, "sha256": item.sha256} for item in written + ([index] if index else [])}
+        index_file = write_index(destination, index) if index is not None else None
+        files = {
+            item.name: {"size": item.size, "sha256": item.sha256} for item in written + ([index_file] if index_file else [])
+        }
         for name, data in sorted(carried.items()):
             destination.write_bytes(name, data)
             files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+from huggingface_hub import StateDictSplit
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 
-from rayexport.errors import ExportError
 from rayexport.dtypes import SAFETENSORS_DTYPES, dtype_of
+from rayexport.errors import ExportError
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.schedule import ShardFile
 from rayexport.storage import Store
 
-INDEX_NAME = "model.safetensors.index.json"
 HEADER_METADATA = {"format": "pt"}
 
 
@@ -54,11 +55,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def index_json(shard_files: list[ShardFile], plans: dict[str, TensorPlan]) -> dict:
-    """`model.safetensors.index.json` as transformers writes it."""
-    weight_map = {name: shard.filename for shard in shard_files for name in shard.tensors}
-    total_size = sum(plans[name].nbytes for name in weight_map)
-    return {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+def index_json(split: StateDictSplit) -> dict:
+    """`model.safetensors.index.json` as transformers writes it, from huggingface_hub's split."""
+    return {"metadata": dict(split.metadata), "weight_map": dict(sorted(split.tensor_to_filename.items()))}
 
 
 def write_shards(
@@ -123,13 +122,13 @@ def _write_shard(
     return WrittenFile(shard.filename, size, file_digest.hexdigest())
 
 
-def write_index(store: Store, shard_files: list[ShardFile], plans: dict[str, TensorPlan]) -> WrittenFile | None:
+def write_index(store: Store, split: StateDictSplit) -> WrittenFile | None:
     """Write `model.safetensors.index.json` when the model spans several files."""
-    if len(shard_files) < 2:
+    if not split.is_sharded:
         return None
-    data = (json.dumps(index_json(shard_files, plans), indent=2) + "\n").encode()
-    store.write_bytes(INDEX_NAME, data)
-    return WrittenFile(INDEX_NAME, len(data), hashlib.sha256(data).hexdigest())
+    data = (json.dumps(index_json(split), indent=2) + "\n").encode()
+    store.write_bytes(SAFETENSORS_INDEX_FILE, data)
+    return WrittenFile(SAFETENSORS_INDEX_FILE, len(data), hashlib.sha256(data).hexdigest())
 
 
 def _chunked_shape(chunks: list[torch.Tensor]) -> tuple[int, ...] | None:

@@ -100,3 +100,12 @@ def test_adapter_config_is_peft_loadable():
     loaded = LoraConfig.from_peft_type(**config)
     assert (loaded.r, loaded.lora_alpha, loaded.use_rslora, loaded.task_type) == (4, 8, True, "CAUSAL_LM")
     assert set(loaded.target_modules) == {"q_proj"} and loaded.base_model_name_or_path == "s3://b/base"
+
+
+def test_the_adapter_file_names_are_peft_s():
+    from peft.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
+
+    from rayexport.lora import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS
+
+    assert ADAPTER_WEIGHTS == f"{ADAPTER_DIR}/{SAFETENSORS_WEIGHTS_NAME}"
+    assert ADAPTER_CONFIG == f"{ADAPTER_DIR}/{CONFIG_NAME}"

@@ -27,7 +27,8 @@ def whole(name, shape, dtype="float32", source_dtype=None):
 
 def test_plan_shard_files_single_file_when_it_fits():
     plans = [whole("b", (4, 4)), whole("a", (4,)), whole("c", ())]
-    files = plan_shard_files(plans, 10_000)
+    files, split = plan_shard_files(plans, 10_000)
+    assert not split.is_sharded
     assert len(files) == 1
     assert files[0].filename == "model.safetensors"
     assert sorted(files[0].tensors) == ["a", "b", "c"]
@@ -35,7 +36,9 @@ def test_plan_shard_files_single_file_when_it_fits():
 
 def test_plan_shard_files_split_names_and_coverage():
     plans = [whole(f"layer{i}.weight", (10, 10)) for i in range(5)]  # 400 bytes each
-    files = plan_shard_files(plans, 900)
+    files, split = plan_shard_files(plans, 900)
+    assert split.is_sharded and split.metadata == {"total_size": 2000}
+    assert split.tensor_to_filename == {name: shard.filename for shard in files for name in shard.tensors}
     assert [shard.filename for shard in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert [len(shard.tensors) for shard in files] == [2, 2, 1]
     assert sorted(name for shard in files for name in shard.tensors) == sorted(plan.name for plan in plans)
@@ -43,7 +46,7 @@ def test_plan_shard_files_split_names_and_coverage():
 
 def test_plan_shard_files_uses_output_dtype_size():
     plans = [whole(f"w{i}", (10, 10), dtype="bfloat16", source_dtype="float32") for i in range(4)]  # 200 B out
-    assert len(plan_shard_files(plans, 800)) == 1
+    assert len(plan_shard_files(plans, 800)[0]) == 1
 
 
 def test_plan_shard_files_order_in_file_matches_safetensors():
@@ -54,7 +57,7 @@ def test_plan_shard_files_order_in_file_matches_safetensors():
         "e.u8": ((4,), torch.uint8), "f.i32": ((1,), torch.int32), "g.f64": ((1,), torch.float64),
     }
     plans = [whole(name, shape, str(dtype).removeprefix("torch.")) for name, (shape, dtype) in specs.items()]
-    (shard,) = plan_shard_files(plans, 1 << 20)
+    (shard,), _ = plan_shard_files(plans, 1 << 20)
     data = safetensors_save({name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in specs.items()})
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + length])

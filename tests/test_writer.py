@@ -12,7 +12,9 @@ from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import plan_shard_files
 from rayexport.storage import Store
-from rayexport.writer import INDEX_NAME, write_index, write_shards
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE as INDEX_NAME
+
+from rayexport.writer import write_index, write_shards
 
 
 def mixed_tensors():
@@ -46,12 +48,12 @@ def chunked(tensor, rows):
 
 
 def write(tmp_path, tensors, plans, max_shard_size, rows=None):
-    shard_files = plan_shard_files(list(plans.values()), max_shard_size)
+    shard_files, split = plan_shard_files(list(plans.values()), max_shard_size)
     store = Store(str(tmp_path / "out"))
     stream = ((name, chunked(tensors[name], rows)) for shard in shard_files for name in shard.tensors)
     seen = []
     written, digests = write_shards(store, shard_files, plans, stream, seen.append)
-    index = write_index(store, shard_files, plans)
+    index = write_index(store, split)
     return store, shard_files, written + ([index] if index else []), digests, seen
 
 
@@ -131,7 +133,7 @@ def test_rows_streamed_in_chunks_give_the_same_bytes(tmp_path):
 def test_a_tensor_out_of_order_is_refused_and_not_published(tmp_path):
     tensors = mixed_tensors()
     plans = plans_for(tensors)
-    shard_files = plan_shard_files(list(plans.values()), 1 << 20)
+    shard_files, _ = plan_shard_files(list(plans.values()), 1 << 20)
     store = Store(str(tmp_path / "out"))
     names = list(shard_files[0].tensors)
     names[0], names[1] = names[1], names[0]

@@ -7,25 +7,24 @@ from collections.abc import Mapping
 from typing import Iterator
 
 import torch
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
 from rayexport.dtypes import TORCH_NAME_OF_CODE
 from rayexport.errors import ExportError
 from rayexport.layouts.shards import ShardInfo
 from rayexport.storage import Store
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def weight_files(store: Store) -> list[str]:
     """The safetensors files of an HF folder, from its index when it has one."""
     names = store.list()
-    if INDEX_FILE in names:
-        weight_map = store.read_json(INDEX_FILE).get("weight_map", {})
+    if SAFETENSORS_INDEX_FILE in names:
+        weight_map = store.read_json(SAFETENSORS_INDEX_FILE).get("weight_map", {})
         return sorted(set(weight_map.values()))
-    if SINGLE_FILE in names:
-        return [SINGLE_FILE]
-    raise ExportError(f"base model '{store.uri}' has no {SINGLE_FILE} or {INDEX_FILE}")
+    if SAFETENSORS_SINGLE_FILE in names:
+        return [SAFETENSORS_SINGLE_FILE]
+    raise ExportError(f"base model '{store.uri}' has no {SAFETENSORS_SINGLE_FILE} or {SAFETENSORS_INDEX_FILE}")
 
 
 class SafetensorsTensors(Mapping):

@@ -9,7 +9,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub import StateDictSplit, split_state_dict_into_shards_factory
+from huggingface_hub.constants import SAFETENSORS_WEIGHTS_FILE_PATTERN
 
 from rayexport.dtypes import SAFETENSORS_ORDER
 from rayexport.plan.naming import TensorPlan
@@ -17,7 +18,6 @@ from rayexport.plan.pieces import Piece
 
 # Packed buffers keep every piece at an offset that any dtype can be viewed at.
 PACK_ALIGNMENT = 16
-SAFETENSORS_NAME_PATTERN = "model{suffix}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -54,22 +54,25 @@ def safetensors_order(tensors: list[TensorPlan]) -> list[TensorPlan]:
     return sorted(tensors, key=lambda plan: (-SAFETENSORS_ORDER[plan.dtype], plan.name))
 
 
-def plan_shard_files(tensors: list[TensorPlan], max_shard_size: int | str) -> list[ShardFile]:
-    """Split the output into HF-convention files (huggingface_hub's greedy rule)."""
+def plan_shard_files(tensors: list[TensorPlan], max_shard_size: int | str) -> tuple[list[ShardFile], StateDictSplit]:
+    """Split the output into HF-convention files (huggingface_hub's greedy rule and names).
+    Returns each file with its tensors in write order, and huggingface_hub's split, which the
+    index is written from."""
     by_name = {plan.name: plan for plan in tensors}
     split = split_state_dict_into_shards_factory(
         by_name,
         get_storage_size=lambda plan: plan.nbytes,
-        filename_pattern=SAFETENSORS_NAME_PATTERN,
+        filename_pattern=SAFETENSORS_WEIGHTS_FILE_PATTERN,
         max_shard_size=max_shard_size,
     )
-    return [
+    files = [
         ShardFile(
             filename=filename,
             tensors=tuple(plan.name for plan in safetensors_order([by_name[n] for n in names])),
         )
         for filename, names in split.filename_to_tensors.items()
     ]
+    return files, split
 
 
 def assign_ranks(ranks: list[int], num_workers: int) -> dict[int, int]:
