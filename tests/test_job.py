@@ -7,7 +7,7 @@ import pytest
 
 from rayexport.errors import ExportError
 from rayexport.job import export, verify_level
-from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
+from rayexport.options import FULL_VERIFY_LIMIT
 
 
 def test_auto_verification_is_full_for_models_that_fit():
