@@ -39,10 +39,8 @@ from rayexport.workers import ExportWorker
 MiB = 2**20
 
 
-def _serve(connection, index: int, size: int, visible_gpu: str | None) -> None:
+def _serve(connection, index: int, size: int) -> None:
     """A worker process: one ExportWorker answering calls (name, args) until told to stop."""
-    if visible_gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpu  # what Ray does for a GPU actor
     worker = ExportWorker(index, size, "WARNING")
     while (request := connection.recv()) is not None:
         call_id, name, args = request
@@ -57,8 +55,19 @@ class ProcessActor:
 
     def __init__(self, index: int, size: int, visible_gpu: str | None) -> None:
         self.connection, child = get_context("spawn").Pipe()
-        self.process = get_context("spawn").Process(target=_serve, args=(child, index, size, visible_gpu), daemon=True)
-        self.process.start()
+        self.process = get_context("spawn").Process(target=_serve, args=(child, index, size), daemon=True)
+        # what Ray does for a GPU actor; set in the environment the process starts with, since
+        # an import may initialise CUDA before any code of ours runs there
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible_gpu is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpu
+        try:
+            self.process.start()
+        finally:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
         self.pending: dict[int, Future] = {}
         self.lock = threading.Lock()
         self.next_id = 0
