@@ -93,17 +93,18 @@ def cuda_device(assigned_gpus: list, visible_devices: str | None) -> torch.devic
     return torch.device("cuda", visible.index(first))
 
 
+def _wire_bytes(bucket: Bucket, rank: int) -> int:
+    """Bytes `rank` moves over the network in one bucket: what every other worker sends it when
+    it writes the bucket, else what it sends (a writer's own pieces never travel)."""
+    if bucket.writer == rank:
+        return sum(packed_offsets(pieces)[1] for worker, pieces in enumerate(bucket.sends) if worker != rank)
+    return packed_offsets(bucket.sends[rank])[1]
+
+
 def staging_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
     """The largest number of bytes `rank` sends or receives in one bucket: the size of each of
     its staging buffers."""
-    largest = 0
-    for bucket in buckets:
-        if bucket.writer == rank:
-            size = sum(packed_offsets(pieces)[1] for worker, pieces in enumerate(bucket.sends) if worker != rank)
-        else:
-            size = packed_offsets(bucket.sends[rank])[1]
-        largest = max(largest, size)
-    return largest
+    return max((_wire_bytes(bucket, rank) for bucket in buckets), default=0)
 
 
 class _Slot:
@@ -302,7 +303,7 @@ def run_transfer(
                 pieces.update((piece, local_piece(piece)) for piece in bucket.sends[rank])
                 ready.put((bucket, slot, pieces))
                 del pieces
-            elif packed_offsets(bucket.sends[rank])[1]:
+            elif _wire_bytes(bucket, rank):
                 if (slot := staging.acquire(writer_failed)) is None:
                     break
                 pieces = bucket.sends[rank]
@@ -321,8 +322,4 @@ def run_transfer(
 
 def received_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
     """Bytes `rank` receives over the network in the gather (its own pieces never travel)."""
-    return sum(
-        packed_offsets(pieces)[1]
-        for bucket in buckets if bucket.writer == rank
-        for worker, pieces in enumerate(bucket.sends) if worker != rank
-    )
+    return sum(_wire_bytes(bucket, rank) for bucket in buckets if bucket.writer == rank)
