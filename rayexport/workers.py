@@ -71,22 +71,26 @@ def _status_bytes(field: str) -> int:
     return 0
 
 
-def _assigned_gpus() -> list:
-    """The GPU ids Ray assigned this actor ([] outside Ray)."""
+def _running_ray():
+    """The ray module when this process belongs to a Ray session; None where Ray is not
+    installed or not started (a worker run without Ray, as benchmarks/gpu_check.py does)."""
     try:
         import ray
     except ImportError:
-        return []
-    return list(ray.get_gpu_ids()) if ray.is_initialized() else []
+        return None
+    return ray if ray.is_initialized() else None
+
+
+def _assigned_gpus() -> list:
+    """The GPU ids Ray assigned this actor ([] outside Ray)."""
+    ray = _running_ray()
+    return list(ray.get_gpu_ids()) if ray else []
 
 
 def _node_id() -> str:
     """This worker's Ray node id, or its host name outside Ray."""
-    try:
-        import ray
-    except ImportError:
-        return socket.gethostname()
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else socket.gethostname()
+    ray = _running_ray()
+    return ray.get_runtime_context().get_node_id() if ray else socket.gethostname()
 
 
 class ExportWorker:
@@ -208,9 +212,8 @@ class ExportWorker:
     ) -> dict[str, Any]:
         """This worker's part of the gather: send its pieces, and write the output files
         `transfer` gives it; worker 0 then writes the index of the model's files (`index`, the
-        shard split) and the small files the
-        export carries (config, tokenizer, code). Returns every file it wrote, with size and
-        digest, each tensor's digest, and its bytes and memory."""
+        shard split) and the small files the export carries (config, tokenizer, code). Returns
+        every file it wrote, with size and digest, each tensor's digest, and its bytes and memory."""
         started = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
