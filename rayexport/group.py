@@ -154,6 +154,11 @@ class WorkerGroup:
         self.reused = False
 
     @property
+    def _lifetime(self) -> dict[str, str]:
+        """Pooled actors and their placement group outlive the driver or task that started them."""
+        return {"lifetime": "detached"} if self.options.pool else {}
+
+    @property
     def shape(self) -> str:
         return group_shape(self.size, self.devices.backend, self.options.num_cpus_per_worker, self.devices.gpus_per_worker)
 
@@ -180,7 +185,6 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._place()
-        lifetime = {"lifetime": "detached"} if self.options.pool else {}  # outlive this driver or task
         actor_class = ray.remote(ExportWorker)
         for index in range(self.size):
             self.actors.append(
@@ -188,7 +192,7 @@ class WorkerGroup:
                     num_cpus=self.options.num_cpus_per_worker,
                     num_gpus=self.devices.gpus_per_worker,
                     max_restarts=0,
-                    **lifetime,
+                    **self._lifetime,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.placement_group, placement_group_bundle_index=index
                     ),
@@ -206,10 +210,9 @@ class WorkerGroup:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        lifetime = {"lifetime": "detached"} if self.options.pool else {}
         gpus = self.devices.gpus_per_worker
         bundle = {"CPU": self.options.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        self.placement_group = placement_group([bundle] * self.size, strategy="PACK", **lifetime)
+        self.placement_group = placement_group([bundle] * self.size, strategy="PACK", **self._lifetime)
         wait_s = min(step_limit(self.options, self.job_deadline)[0], self.options.placement_timeout_s)
         if ray.wait([self.placement_group.ready()], timeout=wait_s)[0]:
             return
