@@ -92,7 +92,10 @@ class ProcessActor:
             while True:
                 call_id, ok, value = self.connection.recv()
                 future = self.pending.pop(call_id)
-                future.set_result(value) if ok else future.set_exception(RuntimeError(value))
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(RuntimeError(value))
         except (EOFError, OSError):
             for future in self.pending.values():
                 future.set_exception(RuntimeError("the worker process ended"))
@@ -179,10 +182,13 @@ def export_once(source: str, destination: str, backend: str, workers: int, use_r
 
 
 def digests(folder: str) -> dict[str, str]:
-    return {
-        name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
-        for name in sorted(os.listdir(folder)) if name.endswith(".safetensors") or name.endswith(".index.json")
-    }
+    """sha256 of each weight file and index in an export folder."""
+    found = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".safetensors", ".index.json")):
+            with open(os.path.join(folder, name), "rb") as handle:
+                found[name] = hashlib.sha256(handle.read()).hexdigest()
+    return found
 
 
 def main() -> int:
