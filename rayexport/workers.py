@@ -286,5 +286,16 @@ class ExportWorker:
         shutil.rmtree(self.spool_dir, ignore_errors=True)
 
     def _local(self, piece: Piece) -> torch.Tensor:
-        return local_tensor(self.states[piece.rank][piece.source_key])
+        return piece_tensor(local_tensor(self.states[piece.rank][piece.source_key]), piece)
+
+
+def piece_tensor(local: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """What `piece` takes from a rank's local shard: all of it, or for a converted tensor its
+    region laid out along the output's axes."""
+    if piece.region is None:
+        return local
+    region = local[tuple(slice(start, start + length) for start, length in piece.region)]
+    kept = [axis for axis in piece.axes if axis is not None]
+    dropped = [axis for axis in range(region.dim()) if axis not in kept]  # unit extent
+    return region.permute(kept + dropped).reshape(piece.shape)
 

@@ -1,0 +1,163 @@
+"""Tiles: which box of which tensor each region of a converted tensor comes from.
+
+transformers' weight conversions between a model's in-memory and on-disk names only move
+elements (split, chunk, select, squeeze, transpose, cat, stack), so every converted tensor is
+exactly a set of tiles over the tensors it was converted from. Planning an output tensor as
+tiles lets each worker send just the slice of its shard that a tile needs, and nothing is
+assembled beyond the bucket window. Pure functions over shapes and offsets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Tile:
+    """target[offset : offset + shape] is a box of tensor `source` starting at `source_offset`.
+    Target axis i runs along source axis `axes[i]` (None: a unit axis the source lacks); a
+    source axis no target axis runs along has extent 1 in the box."""
+
+    source: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    source_offset: tuple[int, ...]
+    axes: tuple[int | None, ...]
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        """The box's extent along each source axis."""
+        extent = [1] * len(self.source_offset)
+        for size, axis in zip(self.shape, self.axes):
+            if axis is not None:
+                extent[axis] = size
+        return tuple(extent)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def whole(source: str, shape: tuple[int, ...]) -> Tile:
+    """The tile of a tensor that is all of `source`, unchanged."""
+    zeros = (0,) * len(shape)
+    return Tile(source, zeros, tuple(shape), zeros, tuple(range(len(shape))))
+
+
+def is_whole(tiles: tuple[Tile, ...], shape: tuple[int, ...], source_shape: tuple[int, ...]) -> bool:
+    """Whether `tiles` of a target of `shape` are one whole source tensor of `source_shape`,
+    unchanged (a plain rename)."""
+    return len(tiles) == 1 and tuple(shape) == tuple(source_shape) and tiles[0] == whole(tiles[0].source, shape)
+
+
+def narrow(tiles: tuple[Tile, ...], dim: int, start: int, length: int) -> tuple[Tile, ...]:
+    """The tiles of `tensor.narrow(dim, start, length)`."""
+    narrowed = []
+    for tile in tiles:
+        low = max(start, tile.offset[dim])
+        high = min(start + length, tile.offset[dim] + tile.shape[dim])
+        if high <= low:
+            continue
+        source_offset = list(tile.source_offset)
+        if tile.axes[dim] is not None:
+            source_offset[tile.axes[dim]] += low - tile.offset[dim]
+        narrowed.append(replace(
+            tile,
+            offset=_set(tile.offset, dim, low - start),
+            shape=_set(tile.shape, dim, high - low),
+            source_offset=tuple(source_offset),
+        ))
+    return tuple(narrowed)
+
+
+def drop_axis(tiles: tuple[Tile, ...], dim: int) -> tuple[Tile, ...]:
+    """The tiles of `tensor.squeeze(dim)` for a unit `dim`."""
+    return tuple(
+        replace(tile, offset=_drop(tile.offset, dim), shape=_drop(tile.shape, dim), axes=_drop(tile.axes, dim))
+        for tile in tiles
+    )
+
+
+def insert_axis(tiles: tuple[Tile, ...], dim: int) -> tuple[Tile, ...]:
+    """The tiles of `tensor.unsqueeze(dim)`."""
+    return tuple(
+        replace(tile, offset=_insert(tile.offset, dim, 0), shape=_insert(tile.shape, dim, 1), axes=_insert(tile.axes, dim, None))
+        for tile in tiles
+    )
+
+
+def permute(tiles: tuple[Tile, ...], order: tuple[int, ...]) -> tuple[Tile, ...]:
+    """The tiles of `tensor.permute(order)`."""
+    return tuple(
+        replace(
+            tile,
+            offset=tuple(tile.offset[axis] for axis in order),
+            shape=tuple(tile.shape[axis] for axis in order),
+            axes=tuple(tile.axes[axis] for axis in order),
+        )
+        for tile in tiles
+    )
+
+
+def concatenate(parts: list[tuple[tuple[Tile, ...], int]], dim: int) -> tuple[Tile, ...]:
+    """The tiles of `torch.cat` along `dim` of tensors given as (tiles, size along dim)."""
+    joined, position = [], 0
+    for tiles, size in parts:
+        joined.extend(replace(tile, offset=_set(tile.offset, dim, tile.offset[dim] + position)) for tile in tiles)
+        position += size
+    return tuple(joined)
+
+
+def invert(tile: Tile, target: str) -> Tile:
+    """The same box seen the other way round: the region of `tile.source` that `target`
+    (the tensor `tile` belongs to) provides."""
+    return Tile(
+        source=target,
+        offset=tile.source_offset,
+        shape=tile.source_shape,
+        source_offset=tile.offset,
+        axes=tuple(tile.axes.index(axis) if axis in tile.axes else None for axis in range(len(tile.source_offset))),
+    )
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a worker sends for one tile of one shard: the box `region` (start, length per
+    axis) of its local shard, laid out along the target's axes (`axes`, as in `Tile`), placed
+    at `offset` in the target with extent `shape`."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    region: tuple[tuple[int, int], ...]
+    axes: tuple[int | None, ...]
+
+
+def select(tile: Tile, shard_offset: tuple[int, ...], shard_shape: tuple[int, ...]) -> Selection | None:
+    """The part of a shard (at `shard_offset` in `tile.source`, of `shard_shape`) that lands in
+    the tile's region of the target, or None when they do not meet."""
+    region, lows = [], []
+    for start, extent, shard_start, shard_extent in zip(tile.source_offset, tile.source_shape, shard_offset, shard_shape):
+        low, high = max(start, shard_start), min(start + extent, shard_start + shard_extent)
+        if high <= low:
+            return None
+        region.append((low - shard_start, high - low))
+        lows.append(low)
+    offset = tuple(
+        tile.offset[i] + (lows[axis] - tile.source_offset[axis] if axis is not None else 0)
+        for i, axis in enumerate(tile.axes)
+    )
+    shape = tuple(region[axis][1] if axis is not None else 1 for axis in tile.axes)
+    return Selection(offset, shape, tuple(region), tile.axes)
+
+
+def _set(values: tuple, index: int, value) -> tuple:
+    return values[:index] + (value,) + values[index + 1:]
+
+
+def _drop(values: tuple, index: int) -> tuple:
+    return values[:index] + values[index + 1:]
+
+
+def _insert(values: tuple, index: int, value) -> tuple:
+    return values[:index] + (value,) + values[index:]

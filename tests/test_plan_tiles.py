@@ -1,0 +1,67 @@
+"""Tiles against torch itself: a tensor rebuilt from its tiles, through the same shard
+selection a worker makes, equals what the torch ops produce."""
+
+import torch
+
+from rayexport.plan.pieces import Piece
+from rayexport.plan.tiles import concatenate, drop_axis, insert_axis, invert, is_whole, narrow, permute, select, whole
+from rayexport.workers import piece_tensor
+
+
+def rebuild(tiles, sources, shape, shards=None):
+    """The target from its tiles, each taken from source shards (default: whole sources) as a
+    worker does (`select`, then `piece_tensor`)."""
+    target = torch.full(shape, float("nan"))
+    for tile in tiles:
+        source = sources[tile.source]
+        for offset, part in (shards or {}).get(tile.source, [((0,) * source.dim(), source)]):
+            selection = select(tile, offset, tuple(part.shape))
+            if selection is None:
+                continue
+            piece = Piece(0, tile.source, selection.offset, selection.shape, "float32", selection.region, selection.axes)
+            region = tuple(slice(start, start + size) for start, size in zip(piece.offset, piece.shape))
+            target[region] = piece_tensor(part, piece)
+    return target
+
+
+def test_an_expert_split_out_of_a_fused_tensor_is_its_box():
+    fused = torch.randn(4, 6, 5)  # [experts, 2 * intermediate, hidden]
+    tiles = (whole("fused", (4, 6, 5)),)
+    up = narrow(tiles, 1, 3, 3)  # chunk: the second half of dim 1
+    expert = drop_axis(narrow(up, 0, 2, 1), 0)  # unbind: expert 2
+    assert [(tile.source_offset, tile.source_shape) for tile in expert] == [((2, 3, 0), (1, 3, 5))]
+    torch.testing.assert_close(rebuild(expert, {"fused": fused}, (3, 5)), fused[2, 3:6])
+
+
+def test_a_fused_tensor_sharded_on_experts_takes_each_expert_from_its_rank():
+    fused = torch.randn(4, 6, 5)
+    shards = {"fused": [((0, 0, 0), fused[:2]), ((2, 0, 0), fused[2:])]}  # FSDP Shard(0) over 2 ranks
+    expert = drop_axis(narrow(narrow((whole("fused", (4, 6, 5)),), 1, 0, 3), 0, 3, 1), 0)
+    selections = [select(expert[0], offset, tuple(part.shape)) for offset, part in shards["fused"]]
+    assert selections[0] is None and selections[1].region == ((1, 1), (0, 3), (0, 5))  # whole expert, rank 1
+    torch.testing.assert_close(rebuild(expert, {"fused": fused}, (3, 5), shards), fused[3, :3])
+
+
+def test_shards_that_cut_through_a_box_are_each_sent_their_part():
+    weight = torch.randn(7, 4)
+    shards = {"w": [((0, 0), weight[:, :2]), ((0, 2), weight[:, 2:])]}  # sharded on dim 1
+    tiles = permute(narrow((whole("w", (7, 4)),), 0, 2, 4), (1, 0))
+    torch.testing.assert_close(rebuild(tiles, {"w": weight}, (4, 4), shards), weight[2:6].T)
+
+
+def test_stacked_and_concatenated_experts_round_trip_through_invert():
+    gates = {f"g{i}": torch.randn(3, 5) for i in range(2)}
+    ups = {f"u{i}": torch.randn(3, 5) for i in range(2)}
+    stack = lambda names: concatenate([(insert_axis((whole(name, (3, 5)),), 0), 1) for name in names], 0)  # noqa: E731
+    fused = concatenate([(stack(["g0", "g1"]), 3), (stack(["u0", "u1"]), 3)], 1)
+    sources = {**gates, **ups}
+    expected = torch.cat([torch.stack([gates["g0"], gates["g1"]]), torch.stack([ups["u0"], ups["u1"]])], 1)
+    torch.testing.assert_close(rebuild(fused, sources, (2, 6, 5)), expected)
+    for name, tensor in sources.items():  # each source back out of the fused tensor
+        back = tuple(invert(tile, "fused") for tile in fused if tile.source == name)
+        torch.testing.assert_close(rebuild(back, {"fused": expected}, (3, 5)), tensor)
+
+
+def test_a_rename_is_whole_and_a_slice_is_not():
+    assert is_whole((whole("a", (2, 3)),), (2, 3), (2, 3))
+    assert not is_whole(narrow((whole("a", (2, 3)),), 0, 0, 1), (1, 3), (2, 3))  # the first row only
