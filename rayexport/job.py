@@ -17,7 +17,8 @@ from rayexport.layouts.verl import VerlCheckpoint, find_verl_checkpoint
 from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
 from rayexport.model import describe_model, generated_files, hf_folder
 from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
-from rayexport.plan.naming import LoraRequest, TensorPlanning, plan_holdings
+from rayexport.plan.formats import ModelFormats
+from rayexport.plan.naming import LoraRequest, TensorPlanning, choose_dtype, plan_holdings
 from rayexport.plan.schedule import ShardFile, plan_shard_files, plan_transfer, safetensors_order
 from rayexport.report import ExportReport
 from rayexport.storage import Store, storage_options_from_env
@@ -81,16 +82,22 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
     try:
         with _stage(seconds, "start_workers"):
             group.start()
+        formats = model["formats"]
         with _stage(seconds, "load"):
-            rank_infos, holders, worker_of_rank = group.load_checkpoint(source, checkpoint, model["aliases"])
+            all_aliases = {**formats.memory.aliases, **formats.disk.aliases}
+            rank_infos, holders, worker_of_rank = group.load_checkpoint(source, checkpoint, all_aliases)
             base_infos = group.load_base_model(base_model) if base_model else None
         source_finite = _check_finite(rank_infos, options.strict)
         lora = LoraRequest(options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora})
+        dtype, dtype_reason = choose_dtype(options.dtype, model["config_dtype"])
+        log.info("writing %s tensors: %s", dtype, dtype_reason)
 
-        def plan(aliases: dict[str, str]) -> TensorPlanning:
-            return plan_holdings(holders, model["expected"], aliases, options.dtype, model["config_dtype"], lora, base_infos)
+        def plan(untied: frozenset[str]) -> TensorPlanning:
+            return plan_holdings(holders, formats, options.format, dtype, lora, base_infos, untied)
 
-        planning, aliases, untied = _plan_ties(plan, model["aliases"], group, options.untie)
+        planning, untied = _plan_ties(plan, group, options.untie)
+        if planning.naming != planning.format:
+            log.info("converting the checkpoint's %s names to the %s format", planning.naming, planning.format)
         shard_files, split = plan_shard_files(planning.tensors, options.max_shard_size)
         adapter_files = [ShardFile(ADAPTER_WEIGHTS, tuple(plan.name for plan in safetensors_order(planning.adapters)))] if planning.adapters else []
         by_name = {plan.name: plan for plan in planning.tensors + planning.adapters}
@@ -99,7 +106,7 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         )
         level = verify_level(options.verify, sum(plan.nbytes for plan in by_name.values()))
         source_pieces = group.source_pieces(planning, worker_of_rank) if level != "none" else {}
-        carried = {**model["carried"], **generated_files(model["raw_config"], planning, untied, options)}
+        carried = {**model["carried"], **generated_files(model["config"], planning, bool(untied), options)}
         with _stage(seconds, "transfer"):
             result, worker_stats = group.transfer(transfer, by_name, split, destination, carried)
     finally:
@@ -110,8 +117,9 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         for plan in by_name.values()
     }
     expected = ExpectedExport(
-        files=result["files"], tensors=tensors, tied=_tied_pairs(aliases, by_name), adapter=bool(planning.adapters),
-        pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code, source_finite=source_finite,
+        files=result["files"], tensors=tensors, tied=_tied_pairs(formats, planning, untied), adapter=bool(planning.adapters),
+        pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code, format=planning.format,
+        source_finite=source_finite,
     )
     with _stage(seconds, "verify"):
         verification = group_type.verify(destination, expected, options, job_deadline)
@@ -134,6 +142,10 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         workers=num_workers,
         backend=group.devices.backend,
         backend_reason=group.devices.reason,
+        naming=planning.naming,
+        format=planning.format,
+        dtype=dtype,
+        dtype_reason=dtype_reason,
         tensor_count=len(tensors),
         seconds=seconds,
         bytes={
@@ -161,20 +173,19 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
     )
 
 
-def _plan_ties(plan, aliases: dict[str, str], group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, dict[str, str], bool]:
+def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, frozenset[str]]:
     """Plan, then compare every tied pair the checkpoint holds twice: different values stop the
-    export, or with `untie` are kept as separate tensors (re-planned without those aliases).
-    Returns the planning, the aliases it used, and whether anything was untied."""
-    planning = plan(aliases)
+    export, or with `untie` are kept as separate tensors (re-planned with those aliases untied).
+    Returns the planning and the aliases untied (in the checkpoint's naming)."""
+    planning = plan(frozenset())
     differences = group.tied_differences(planning.tied_key_pairs)
     tied_values = {pair: differences[keys] for pair, keys in zip(planning.resolution.to_compare, planning.tied_key_pairs)}
-    untied = {alias for (_, alias), difference in tied_values.items() if difference != 0.0}
+    untied = frozenset(alias for (_, alias), difference in tied_values.items() if difference != 0.0)
     if not (untied and untie):
         check_tied_values(tied_values)
-        return planning, aliases, False
+        return planning, frozenset()
     log.warning("untying %s: their saved values differ from the tensors they were tied to", sorted(untied))
-    aliases = {alias: canonical for alias, canonical in aliases.items() if alias not in untied}
-    return plan(aliases), aliases, True
+    return plan(untied), untied
 
 
 def find_checkpoint(source: Store, options: ExportOptions) -> VerlCheckpoint | DcpCheckpoint:
@@ -232,6 +243,9 @@ def _already_committed(
     )
 
 
-def _tied_pairs(aliases: dict[str, str], written: dict[str, Any]) -> list[tuple[str, str]]:
-    """The (canonical, alias) pairs the reload must find sharing memory."""
-    return sorted((canonical, alias) for alias, canonical in aliases.items() if canonical in written)
+def _tied_pairs(formats: ModelFormats, planning: TensorPlanning, untied: frozenset[str]) -> list[tuple[str, str]]:
+    """The (canonical, alias) pairs, by in-memory name, that the reload must find sharing memory."""
+    untied_in_memory = {formats.memory_name(planning.naming, alias) for alias in untied}
+    return sorted(
+        (canonical, alias) for alias, canonical in formats.memory.aliases.items() if alias not in untied_in_memory
+    )

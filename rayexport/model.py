@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rayexport.conversion import model_formats
 from rayexport.dtypes import dtype_name, dtype_of
 from rayexport.errors import ExportError, one_line
 from rayexport.layouts.dcp import DcpCheckpoint
@@ -135,14 +136,28 @@ def expected_tensors(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...],
     }
 
 
-def exported_config(raw_config: dict, dtype: str | None) -> dict:
-    """config.json for the export: the dtype the weights were written in, and no None entries
-    in `auto_map` (transformers rejects them)."""
-    config = dict(raw_config)
+def saved_config(config, raw_config: dict) -> dict:
+    """config.json as `save_pretrained` writes it (transformers' own serialisation of the
+    config: nested sub-configs, its version), keeping the checkpoint's `auto_map`."""
+    saved = config.to_diff_dict()
+    if "auto_map" in raw_config:
+        saved["auto_map"] = raw_config["auto_map"]
+    return saved
+
+
+def exported_config(config: dict, dtype: str | None, untie: bool = False) -> dict:
+    """config.json for the export: the dtype the weights were written in, untied embeddings
+    (wherever the config declares the tie: top level or `text_config`), and no None entries in
+    `auto_map` (transformers rejects them)."""
+    config = dict(config)
     if dtype is not None:
         config["dtype"] = dtype
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype
+    if untie:
+        config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"] = dict(config["text_config"], tie_word_embeddings=False)
     if isinstance(config.get("auto_map"), dict):
         config["auto_map"] = {key: value for key, value in config["auto_map"].items() if value is not None}
     return config
@@ -179,10 +194,9 @@ def describe_model(hf_store: Store, base_model: Store | None, options: ExportOpt
                     carried[os.path.relpath(path, local)] = handle.read()
     return {
         "carried": carried,
-        "raw_config": raw_config,
+        "config": saved_config(config, raw_config),
         "config_dtype": config_dtype(config),
-        "expected": expected_tensors(meta_model),
-        "aliases": find_tie_aliases(meta_model),
+        "formats": model_formats(meta_model, expected_tensors(meta_model), find_tie_aliases(meta_model)),
     }
 
 
@@ -214,12 +228,10 @@ def hf_folder(
     )
 
 
-def generated_files(raw_config: dict, planning: TensorPlanning, untie: bool, options: ExportOptions) -> dict[str, bytes]:
+def generated_files(config: dict, planning: TensorPlanning, untie: bool, options: ExportOptions) -> dict[str, bytes]:
     """Files the export writes from what it learnt: config.json (and adapter_config.json)."""
     floating = sorted({plan.dtype for plan in planning.tensors if dtype_of(plan.dtype).is_floating_point})
-    config = exported_config(raw_config, floating[0] if len(floating) == 1 else None)
-    if untie:
-        config["tie_word_embeddings"] = False
+    config = exported_config(config, floating[0] if len(floating) == 1 else None, untie)
     files = {"config.json": _json_bytes(config)}
     if planning.adapters:
         files[ADAPTER_CONFIG] = _json_bytes(

@@ -13,6 +13,7 @@ from typing import Any
 
 from rayexport.errors import ExportError
 from rayexport.placement import is_whole
+from rayexport.plan.formats import FORMATS, ON_DISK
 
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -84,8 +85,12 @@ class ExportOptions:
         help='fsspec/s3fs options for SRC and DST, e.g. \'{"endpoint_url": "http://..."}\'',
         group=SOURCE, metavar="JSON", default_factory=dict,
     )
-    dtype: str = option("auto", "output dtype of floating tensors (auto: the config's, else the source's)",
+    dtype: str = option("auto", "output dtype of floating tensors (auto: the dtype the model is published in: "
+                        "the config's, but bfloat16 for a float32 training config)",
                         group=OUTPUT, choices=DTYPES, recorded=True)
+    format: str = option(ON_DISK, "tensor names and layout: the model's on-disk format, as save_pretrained writes "
+                         "it (per-expert MoE tensors, the Hub's names), or transformers 5's in-memory layout "
+                         "(fused experts)", group=OUTPUT, choices=FORMATS, recorded=True)
     max_shard_size: int | str = option("5GB", "largest safetensors file", group=OUTPUT, metavar="SIZE", recorded=True)
     untie: bool = option(False, "tied tensors whose saved values differ: keep both and untie the config",
                          group=OUTPUT, recorded=True)

@@ -19,20 +19,23 @@ from rayexport.lora import ADAPTER_WEIGHTS
 PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def compare_keys(path: str, trust_remote_code: bool, tied: list[tuple[str, str]]) -> dict:
+def compare_keys(path: str, trust_remote_code: bool, tied: list[tuple[str, str]], export_format: str) -> dict:
     """Without loading weights: the export's tensor names and shapes against the model built
-    from its config on the meta device (for exports too large to load in the check)."""
+    from its config on the meta device, in `export_format` as transformers' conversion rules
+    give it (for exports too large to load in the check). `tied` are in-memory names."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from rayexport.model import model_class
+    from rayexport.conversion import model_formats
+    from rayexport.model import expected_tensors, model_class
     from rayexport.verification import shard_names
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = model_class(config).build(config, trust_remote_code)
-    aliases = {alias for _, alias in tied}
-    wanted = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if name not in aliases}
+    formats = model_formats(model, expected_tensors(model), {alias: canonical for canonical, alias in tied})
+    naming = formats.naming(export_format)
+    wanted = {name: tuple(shape) for name, (shape, _) in naming.expected.items() if name not in naming.aliases}
     found = {}
     for name in shard_names(path):
         with safe_open(f"{path}/{name}", framework="pt") as handle:
@@ -107,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tied", action="append", default=[], metavar="CANONICAL=ALIAS")
     parser.add_argument("--adapter", help="a LoRA adapter folder to load onto the model with peft")
     parser.add_argument("--keys-only", action="store_true", help="compare names and shapes; load nothing")
+    parser.add_argument("--format", default="on-disk", choices=["on-disk", "in-memory"], help="the format --keys-only expects")
     args = parser.parse_args(argv)
     tied = [tuple(item.split("=", 1)) for item in args.tied]
     if args.keys_only:
-        result = compare_keys(args.path, args.trust_remote_code, tied)
+        result = compare_keys(args.path, args.trust_remote_code, tied, args.format)
     else:
         result = reload_and_probe(args.path, args.trust_remote_code, tied, args.adapter)
     json.dump(result, sys.stdout)

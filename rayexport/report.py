@@ -20,6 +20,10 @@ class ExportReport:
     backend: str
     tensor_count: int
     backend_reason: str = ""  # why this backend (and these GPUs): an option, or what was free
+    naming: str = ""  # the naming the checkpoint's tensors were saved under (in-memory / on-disk)
+    format: str = ""  # the format written
+    dtype: str = ""  # the dtype floating tensors were written in
+    dtype_reason: str = ""  # why that dtype
     seconds: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
@@ -49,6 +53,7 @@ class ExportReport:
             f"  {self.tensor_count} tensors in {sum(name.endswith('.safetensors') for name in self.files)} "
             f"safetensors file(s), {written / 1e6:.1f} MB, {self.workers} worker(s) over {self.backend} "
             f"({self.backend_reason})",
+            f"  {self.format} format from a checkpoint saved with {self.naming} names; {self.dtype} ({self.dtype_reason})",
             "  stages: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.seconds.items())
             + f" (total {total:.1f}s)",
             "  peak memory per actor: "

@@ -21,6 +21,7 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE
 from rayexport.dtypes import SAFETENSORS_DTYPES, TORCH_NAME_OF_CODE, nbytes
 from rayexport.errors import ExportError
 from rayexport.lora import ADAPTER_DIR, ADAPTER_WEIGHTS
+from rayexport.plan.formats import ON_DISK
 from rayexport.storage import Store
 
 SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
@@ -48,6 +49,7 @@ class ExpectedExport:
     pieces: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     level: str = "full"
     trust_remote_code: bool = False
+    format: str = ON_DISK  # the tensor format written (plan/formats.py)
     source_finite: bool = True  # False: the checkpoint itself held NaN/Inf, exported with a warning
 
     def to_manifest(self) -> dict[str, Any]:
@@ -65,6 +67,7 @@ class ExpectedExport:
             tied=[tuple(pair) for pair in manifest.get("tied", [])], adapter=manifest.get("adapter", False),
             pieces=manifest.get("source_pieces", {}), level=level or manifest.get("verification", {}).get("level", "full"),
             trust_remote_code=options.get("trust_remote_code", False),
+            format=options.get("format", ON_DISK),
             source_finite=manifest.get("source_finite", True),
         )
 
@@ -224,7 +227,7 @@ def check_reload(local_dir: str, expected: ExpectedExport, timeout_s: float) -> 
         env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         command = [sys.executable, "-m", "rayexport.reload_check", local_dir]
         command += ["--trust-remote-code"] if expected.trust_remote_code else []
-        command += ["--keys-only"] if expected.level == "quick" else []
+        command += ["--keys-only", "--format", expected.format] if expected.level == "quick" else []
         for canonical, alias in expected.tied:
             command += ["--tied", f"{canonical}={alias}"]
         command += ["--adapter", os.path.join(local_dir, ADAPTER_DIR)] if expected.adapter and expected.level != "quick" else []

@@ -7,12 +7,15 @@ import torch
 
 from rayexport.layouts.shards import ShardInfo
 from rayexport.plan.pieces import holders_from_ranks
+from rayexport.plan.formats import IN_MEMORY, ModelFormats, Naming
 from rayexport.plan.naming import plan_holdings
 
 
-def plan_tensors(rank_infos, *args, **kwargs):
-    """Planning for rank files, as the exporter does it for a verl checkpoint."""
-    return plan_holdings(holders_from_ranks(rank_infos), *args, **kwargs)
+def plan_tensors(rank_infos, expected, aliases, dtype=None, **kwargs):
+    """Planning for rank files, as the exporter does it for a verl checkpoint, of a model whose
+    two namings are the same (`expected`: name -> (shape, dtype); `aliases`: its ties)."""
+    formats = ModelFormats.same(Naming(expected, aliases))
+    return plan_holdings(holders_from_ranks(rank_infos), formats, IN_MEMORY, dtype, **kwargs)
 
 
 EMBED, HEAD, NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"

@@ -5,10 +5,11 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as multiprocessing
+from plan_cases import plan_tensors
 
 from rayexport.layouts.shards import ShardInfo
-from rayexport.plan.naming import TensorPlan, plan_holdings
-from rayexport.plan.pieces import Piece, holders_from_ranks
+from rayexport.plan.naming import TensorPlan
+from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import ShardFile, assign_ranks, packed_offsets, plan_transfer
 from rayexport.transport import assemble, output_chunks, pack, run_transfer, unpack
 
@@ -127,7 +128,7 @@ def gather_case():
 def gather_plan(writers=1):
     full, infos = gather_case()
     expected = {name: (tuple(tensor.shape), "") for name, tensor in full.items()}
-    plans = {plan.name: plan for plan in plan_holdings(holders_from_ranks(infos), expected, {}, "auto", None).tensors}
+    plans = {plan.name: plan for plan in plan_tensors(infos, expected, {}).tensors}
     files = [ShardFile(f"part{i}", tuple(names)) for i, names in enumerate(
         [("e.plain", "a.weight"), ("b.weight", "d.mask", "c.weight"), ("f.plain", "g.scale")]
     )]

@@ -42,7 +42,7 @@ def test_workers_hold_a_bounded_window_and_two_writers_split_the_files(synthetic
 
     report = export(
         str(source), str(tmp_path / "out"), workers=2, writers=2, bucket_size=BUCKET,
-        max_shard_size="32MB", verify="none",
+        max_shard_size="32MB", verify="none", dtype="float32",
     )
 
     for worker, growth in report.working_memory_bytes.items():

@@ -14,6 +14,7 @@ from rayexport.lora import (
     LoraSettings, LoraTarget, adapter_tensor_name, is_peft_checkpoint, lora_settings, split_peft_names,
 )
 from rayexport.names import normalize_key
+from rayexport.plan.formats import IN_MEMORY, ModelFormats, choose_naming, convert_plans
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, tensor_pieces
 from rayexport.ties import TieResolution, resolve_tied_names
 
@@ -64,7 +65,8 @@ class LoraRequest:
 
 @dataclass
 class TensorPlanning:
-    """Everything `plan_holdings` decides."""
+    """Everything `plan_holdings` decides; `naming` is the naming the checkpoint was matched
+    in, `format` the one the tensors are written in."""
 
     tensors: list[TensorPlan]
     adapters: list[TensorPlan]
@@ -72,26 +74,31 @@ class TensorPlanning:
     tied_key_pairs: list[tuple[str, str]]
     lora: LoraSettings | None = None
     lora_targets: list[LoraTarget] = field(default_factory=list)
+    naming: str = IN_MEMORY
+    format: str = IN_MEMORY
 
 
 def plan_holdings(
     holders: dict[str, dict[int, ShardInfo]],
-    expected: dict[str, tuple[tuple[int, ...], str]],
-    aliases: dict[str, str],
-    requested_dtype: str,
-    config_dtype: str | None,
+    formats: ModelFormats,
+    output_format: str,
+    dtype: str | None,
     lora: LoraRequest | None = None,
     base_model: dict[str, ShardInfo] | None = None,
+    untied: frozenset[str] = frozenset(),
 ) -> TensorPlanning:
-    """Match the checkpoint's keys to the model's names and plan how each tensor is assembled.
+    """Match the checkpoint's keys to the model's names and plan how each output tensor is
+    assembled.
 
     `holders` maps each source key to the (pseudo-)ranks holding part of it: every rank file of
     a verl checkpoint (`holders_from_ranks`), or the one worker that read a whole DCP tensor.
-    `expected` maps every state-dict name of the config's model (aliases included) to its shape
-    and dtype; `aliases` maps tied alias names to their canonical names. PEFT names are mapped
-    to the base model's, and LoRA adapters merged or planned as adapter tensors per `lora`.
+    `formats` gives the model's names, shapes and tie aliases in both namings; the checkpoint
+    is matched in the naming its keys are in, and its tensors converted to `output_format`.
+    Tied aliases in `untied` are kept as tensors of their own. PEFT names are mapped to the
+    base model's, and LoRA adapters merged or planned as adapter tensors per `lora`.
     `base_model` describes the tensors of a base model folder, used for names the checkpoint
     lacks (LoRA-only checkpoints); the exporter reads those itself as `BASE_MODEL_RANK`.
+    Floating tensors are written in `dtype` (None: each in its own).
     """
     lora = lora or LoraRequest()
     source_key_of: dict[str, str] = {}
@@ -105,6 +112,10 @@ def plan_holdings(
     else:
         model_names, targets = {name: name for name in source_key_of}, []
     checkpoint_key = {name: source_key_of[normalized] for name, normalized in model_names.items()}
+    naming_kind = choose_naming(model_names or base_model or {}, formats)
+    naming = formats.naming(naming_kind)
+    expected = naming.expected
+    aliases = {alias: canonical for alias, canonical in naming.aliases.items() if alias not in untied}
 
     resolution = resolve_tied_names(checkpoint_key, aliases)
     wanted = [name for name in expected if name not in aliases]
@@ -130,7 +141,7 @@ def plan_holdings(
         source_dtype = dtypes.pop()
         return TensorPlan(
             name=name, source_key=key, shape=shape, source_dtype=source_dtype,
-            dtype=output_dtype(source_dtype, requested_dtype, config_dtype),
+            dtype=output_dtype(source_dtype, dtype),
             pieces=tensor_pieces(key, infos, shape),
         )
 
@@ -161,21 +172,39 @@ def plan_holdings(
             if lora.mode in ("adapter", "both"):
                 adapters.extend(halves)
     tied_key_pairs = [(checkpoint_key[canonical], checkpoint_key[alias]) for canonical, alias in resolution.to_compare]
+    tensors = convert_plans(
+        [plans[name] for name in wanted], formats.tiles(naming_kind, output_format),
+        formats.naming(output_format), naming_kind, output_format,
+    )
     return TensorPlanning(
-        tensors=[plans[name] for name in wanted], adapters=adapters, resolution=resolution,
-        tied_key_pairs=tied_key_pairs, lora=settings, lora_targets=targets,
+        tensors=tensors, adapters=adapters, resolution=resolution, tied_key_pairs=tied_key_pairs,
+        lora=settings, lora_targets=targets, naming=naming_kind, format=output_format,
     )
 
 
-def output_dtype(source_dtype: str, requested: str, config_dtype: str | None) -> str:
-    """The dtype a tensor is written in: integers and bools are never cast."""
+def output_dtype(source_dtype: str, dtype: str | None) -> str:
+    """The dtype a tensor is written in: `dtype` for floating tensors (None: their own);
+    integers and bools are never cast."""
     if source_dtype not in SAFETENSORS_DTYPES:
         raise ExportError(f"dtype {source_dtype} cannot be written to safetensors")
-    if not dtype_of(source_dtype).is_floating_point:
+    if dtype is None or not dtype_of(source_dtype).is_floating_point:
         return source_dtype
-    if requested == "auto":
-        return config_dtype or source_dtype
-    return requested
+    return dtype
+
+
+def choose_dtype(requested: str, config_dtype: str | None) -> tuple[str, str]:
+    """The dtype floating tensors are written in, and why. `auto` is the dtype the model is
+    published in: the config's, except that a float32 config (what trainers such as verl save,
+    with float32 master weights) or none at all means bfloat16."""
+    if requested != "auto":
+        return requested, f"--dtype {requested}"
+    if config_dtype not in (None, "float32"):
+        return config_dtype, f"config.json's dtype {config_dtype}"
+    said = "says float32" if config_dtype else "names no dtype (transformers reads float32)"
+    return "bfloat16", (
+        f"config.json {said}, the dtype training keeps master weights in; models are published in "
+        f"bfloat16 (--dtype float32 keeps float32)"
+    )
 
 
 def _rows(infos: dict[int, ShardInfo]) -> int:

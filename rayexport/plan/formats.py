@@ -1,0 +1,154 @@
+"""Formats: the two namings a model's tensors have had, and moving a plan from one to the other.
+
+transformers 5 holds MoE experts fused and VLM submodules nested (its in-memory names, what a
+checkpoint trained under it holds); `save_pretrained` writes the model's on-disk format (per
+expert tensors, `model.*` + `visual.*`), which is also what transformers 4 held in memory. A
+checkpoint is planned in whichever naming it was saved with and converted, as tiles of its
+source pieces, to the format the export writes. Pure functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+from rayexport.errors import ExportError
+from rayexport.plan.pieces import Piece
+from rayexport.plan.tiles import Tile, invert, is_whole, select
+
+IN_MEMORY = "in-memory"
+ON_DISK = "on-disk"
+FORMATS = (ON_DISK, IN_MEMORY)
+
+Shapes = dict[str, tuple[tuple[int, ...], str]]
+
+
+@dataclass(frozen=True)
+class Naming:
+    """One naming of a model's tensors: each name (tied aliases included) with its shape and
+    dtype, and each tied alias's canonical name."""
+
+    expected: Shapes
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelFormats:
+    """A model's in-memory and on-disk namings, the tiles of in-memory tensors each on-disk
+    tensor is made of, and which in-memory tensors are saved whole under another name."""
+
+    memory: Naming
+    disk: Naming
+    disk_tiles: dict[str, tuple[Tile, ...]]
+    renamed: dict[str, str]
+
+    @classmethod
+    def from_tiles(cls, memory: Naming, disk: dict[str, tuple[tuple[int, ...], str, tuple[Tile, ...]]]) -> "ModelFormats":
+        """Both namings from the in-memory one and each on-disk name's (shape, dtype, tiles)."""
+        def saved_whole(shape: tuple[int, ...], tiles: tuple[Tile, ...]) -> bool:
+            return bool(tiles) and is_whole(tiles, shape, memory.expected[tiles[0].source][0])
+
+        if all(saved_whole(shape, tiles) and tiles[0].source == name for name, (shape, _, tiles) in disk.items()):
+            return cls.same(memory)
+        renamed = {tiles[0].source: name for name, (shape, _, tiles) in disk.items() if saved_whole(shape, tiles)}
+        aliases = {
+            renamed[alias]: renamed[canonical] for alias, canonical in memory.aliases.items()
+            if alias in renamed and canonical in renamed
+        }
+        return cls(
+            memory=memory,
+            disk=Naming({name: (shape, dtype) for name, (shape, dtype, _) in disk.items()}, aliases),
+            disk_tiles={name: tiles for name, (_, _, tiles) in disk.items()},
+            renamed=renamed,
+        )
+
+    @classmethod
+    def same(cls, memory: Naming) -> "ModelFormats":
+        """A model whose on-disk format is its in-memory naming."""
+        return cls(memory, memory, {}, {name: name for name in memory.expected})
+
+    def naming(self, kind: str) -> Naming:
+        return self.memory if kind == IN_MEMORY else self.disk
+
+    def tiles(self, source: str, target: str) -> dict[str, tuple[Tile, ...]] | None:
+        """Each `target`-naming tensor as tiles of `source`-naming tensors (None: same names)."""
+        if source == target or not self.disk_tiles:
+            return None
+        if target == ON_DISK:
+            return self.disk_tiles
+        inverted: dict[str, list[Tile]] = {}
+        for name, tiles in self.disk_tiles.items():
+            for tile in tiles:
+                inverted.setdefault(tile.source, []).append(invert(tile, name))
+        return {name: tuple(tiles) for name, tiles in inverted.items()}
+
+    def memory_name(self, kind: str, name: str) -> str | None:
+        """The in-memory name of a tensor saved whole (None when it is split or merged)."""
+        if kind == IN_MEMORY:
+            return name
+        return next((memory for memory, disk in self.renamed.items() if disk == name), None)
+
+
+def choose_naming(names: Iterable[str], formats: ModelFormats) -> str:
+    """The naming a checkpoint's (normalised) tensor names are in, decided from all of them:
+    in-memory when every name is one (a dense model's two namings are the same), else on-disk.
+    Names from both, with some in neither's overlap, are a mixture no conversion can read."""
+    names = list(names)
+    memory, disk = formats.memory.expected, formats.disk.expected
+    if all(name in memory for name in names):
+        return IN_MEMORY
+    if all(name in disk for name in names):
+        return ON_DISK
+    only_memory = next((name for name in names if name in memory and name not in disk), None)
+    only_disk = next((name for name in names if name in disk and name not in memory), None)
+    if only_memory is not None and only_disk is not None:
+        raise ExportError(
+            f"the checkpoint mixes transformers' in-memory name '{only_memory}' with the on-disk name "
+            f"'{only_disk}'; it fits neither naming of the config's model"
+        )
+    return ON_DISK if only_disk is not None else IN_MEMORY  # the name in neither is reported by the caller
+
+
+def convert_plans(
+    plans: list, tiles: dict[str, tuple[Tile, ...]] | None, target: Naming, source_kind: str, target_kind: str
+) -> list:
+    """The output tensors of `target` naming, each planned from the tiles of the source plans
+    it is made of: every piece becomes the part of its shard a tile needs. A LoRA merge moves
+    with a tensor that is only renamed; one split or merged is refused by name."""
+    if tiles is None:
+        return plans
+    by_name = {plan.name: plan for plan in plans}
+    converted, used = [], set()
+    for name, parts in tiles.items():
+        sources = [by_name.get(tile.source) for tile in parts]
+        if not any(sources):
+            continue  # a tied alias the export drops
+        if not all(sources):
+            missing = next(tile.source for tile, plan in zip(parts, sources) if plan is None)
+            raise ExportError(f"tensor '{name}' needs '{missing}', which the checkpoint does not provide")
+        dtypes = {(plan.source_dtype, plan.dtype) for plan in sources}
+        if len(dtypes) != 1:
+            raise ExportError(f"tensor '{name}' would be made of tensors of different dtypes: {sorted(dtypes)}")
+        shape = tuple(target.expected[name][0])
+        first = sources[0]
+        used.update(plan.name for plan in sources)
+        if is_whole(parts, shape, first.shape):
+            converted.append(replace(first, name=name))
+            continue
+        lora = next((plan for plan in sources if plan.lora is not None), None)
+        if lora is not None:
+            raise ExportError(
+                f"LoRA on '{lora.name}' cannot be merged into '{name}', which the {source_kind} tensor is "
+                f"split into or merged from; export with --format {source_kind} or --lora adapter"
+            )
+        pieces = tuple(
+            Piece(piece.rank, piece.source_key, selection.offset, selection.shape, piece.dtype, selection.region, selection.axes)
+            for tile, plan in zip(parts, sources)
+            for piece in plan.pieces
+            if (selection := select(tile, piece.offset, piece.shape)) is not None
+        )
+        converted.append(replace(first, name=name, shape=shape, pieces=pieces))
+    unused = [plan.name for plan in plans if plan.name not in used]
+    if unused:
+        raise ExportError(f"tensor '{unused[0]}' has no place in the {target_kind} format")
+    return converted
