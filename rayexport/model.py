@@ -154,6 +154,9 @@ def exported_config(config: dict, dtype: str | None, untie: bool = False) -> dic
         config["dtype"] = dtype
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype
+        for key, value in config.items():  # sub-configs: save_pretrained states the dtype once, at the top
+            if isinstance(value, dict) and "model_type" in value:
+                config[key] = {name: item for name, item in value.items() if name not in ("dtype", "torch_dtype")}
     if untie:
         config["tie_word_embeddings"] = False
         if isinstance(config.get("text_config"), dict):

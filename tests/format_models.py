@@ -85,8 +85,8 @@ def format_logits(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=torch.tensor(PROMPT_IDS)).logits
 
 
-def saved_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors `save_pretrained` writes for `model`: its on-disk format."""
+def saved_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and config.json `save_pretrained` writes for `model`: its on-disk format."""
     from safetensors.torch import load_file
 
     with tempfile.TemporaryDirectory() as folder:
@@ -95,7 +95,8 @@ def saved_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for name in sorted(os.listdir(folder)):
             if name.endswith(".safetensors"):
                 state.update(load_file(os.path.join(folder, name)))
-    return state
+        with open(os.path.join(folder, "config.json")) as handle:
+            return state, json.load(handle)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class FormatCheckpoint:
     logits: torch.Tensor
     saved_shapes: dict[str, tuple[int, ...]]  # save_pretrained's keys and shapes
     memory_shapes: dict[str, tuple[int, ...]]  # model.state_dict()'s, tied aliases dropped
+    saved_config: dict  # the config.json save_pretrained writes
 
 
 def write_format_checkpoints(root: str, cases: list[tuple[str, str, str]], world_size: int = 2) -> dict:
@@ -122,7 +124,7 @@ def write_format_checkpoints(root: str, cases: list[tuple[str, str, str]], world
             config = tiny_format_config(architecture)
             model = build_format_model(config)
             memory = model.state_dict()
-            saved = saved_state(model)
+            saved, saved_config = saved_state(model)
             kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
             config_dir = os.path.join(scratch, architecture)
             write_hf_folder(config, config_dir)
@@ -145,6 +147,7 @@ def write_format_checkpoints(root: str, cases: list[tuple[str, str, str]], world
                     out_dir, architecture, naming, layout, format_logits(model),
                     {name: tuple(tensor.shape) for name, tensor in saved.items()},
                     {name: tuple(tensor.shape) for name, tensor in memory.items() if name in kept},
+                    saved_config,
                 )
         multiprocessing.spawn(_write_rank, args=(world_size, jobs, os.path.join(scratch, "rendezvous")), nprocs=world_size)
     for checkpoint in written.values():

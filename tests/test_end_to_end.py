@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("ray_address")
 
 
 def export_and_reload(src: str, dst: str, tmp_path, *extra: str, fresh_process: bool = False) -> tuple[dict, str, dict]:
-    completed = run_cli("--src", src, "--dst", dst, "--workers", "2", "--report", "-", *extra)
+    completed = run_cli("--src", src, "--dst", dst, "--workers", "2", "--report", "-", "--dtype", "float32", *extra)
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(completed.stdout[completed.stdout.index("{"):])
     local = download(dst, str(tmp_path / "export"))
@@ -79,7 +79,7 @@ def test_bfloat16_output_and_several_shard_files(checkpoints, s3_checkpoints, s3
 
 def test_local_paths_work_too(checkpoints, tmp_path):
     destination = tmp_path / "out"
-    completed = run_main("--src", checkpoints["untied"].path, "--dst", str(destination), "--workers", "3", "--verify", "quick")
+    completed = run_main("--src", checkpoints["untied"].path, "--dst", str(destination), "--workers", "3", "--verify", "quick", "--dtype", "float32")
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "committed:" in completed.stdout
     torch.testing.assert_close(

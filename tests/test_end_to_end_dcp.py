@@ -36,7 +36,7 @@ def dcp_checkpoints(tmp_path_factory, s3_endpoint):
 def test_dcp_export_matches_the_original(dcp_checkpoints, s3_prefix, tmp_path, name):
     checkpoint = dcp_checkpoints[name]
     report_path = tmp_path / "report.json"
-    completed = run_main("--src", checkpoint["uri"], "--dst", s3_prefix, "--workers", "2", "--report", str(report_path),
+    completed = run_main("--src", checkpoint["uri"], "--dst", s3_prefix, "--workers", "2", "--report", str(report_path), "--dtype", "float32",
                          *(["--verify", "none"] if name == "untied" else []))
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(report_path.read_text())

@@ -34,6 +34,16 @@ def exported_shapes(folder):
     return shapes
 
 
+def export_checkpoint(checkpoint, tmp_path, *options):
+    """Run the CLI on a checkpoint; return the export's folder and the report."""
+    destination, report_path = tmp_path / "export", tmp_path / "report.json"
+    completed = run_main(
+        "--src", checkpoint.path, "--dst", str(destination), "--workers", "2", "--report", str(report_path), *options
+    )
+    assert completed.returncode == 0, completed.stderr
+    return destination, json.loads(report_path.read_text())
+
+
 def reload_export(folder, architecture):
     """The export loaded by transformers: its loading info, logits, and whether the tie holds."""
     import transformers
@@ -51,19 +61,13 @@ def reload_export(folder, architecture):
 @pytest.mark.parametrize("case", VERL + DCP, ids="-".join)
 def test_export_is_save_pretrained_format_and_reloads_with_the_same_logits(case, format_checkpoints, tmp_path, ray_address):
     checkpoint = format_checkpoints[case]
-    destination = tmp_path / "export"
-    report_path = tmp_path / "report.json"
-    completed = run_main(
-        "--src", checkpoint.path, "--dst", str(destination), "--dtype", "float32", "--workers", "2",
-        "--report", str(report_path),
-    )
-    assert completed.returncode == 0, completed.stderr
-    report = json.loads(report_path.read_text())
+    destination, report = export_checkpoint(checkpoint, tmp_path, "--dtype", "float32")
     dense = checkpoint.architecture == "qwen3"  # one naming: the two are the same
     assert (report["naming"], report["format"]) == ("in-memory" if dense else checkpoint.naming, "on-disk")
     assert report["verification"]["passed"] and "reload" in report["verification"]["checks"]
 
     assert exported_shapes(destination) == checkpoint.saved_shapes
+    assert json.loads((destination / "config.json").read_text()) == checkpoint.saved_config
     info, logits, shared = reload_export(str(destination), checkpoint.architecture)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     torch.testing.assert_close(logits, checkpoint.logits, rtol=1e-5, atol=1e-5)
@@ -74,12 +78,8 @@ def test_export_is_save_pretrained_format_and_reloads_with_the_same_logits(case,
 def test_the_in_memory_option_writes_the_state_dict_names(architecture, format_checkpoints, tmp_path, ray_address):
     """From the on-disk naming: per-expert pieces fused, VLM names nested again."""
     checkpoint = format_checkpoints[(architecture, "on-disk", "verl")]
-    destination = tmp_path / "export"
-    completed = run_main(
-        "--src", checkpoint.path, "--dst", str(destination), "--dtype", "float32", "--format", "in-memory",
-        "--workers", "2", "--verify", "quick",
-    )
-    assert completed.returncode == 0, completed.stderr
+    destination, report = export_checkpoint(checkpoint, tmp_path, "--dtype", "float32", "--format", "in-memory", "--verify", "quick")
+    assert report["format"] == "in-memory" and report["verification"]["passed"]
     assert exported_shapes(destination) == checkpoint.memory_shapes
     info, logits, shared = reload_export(str(destination), architecture)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -97,18 +97,10 @@ def test_a_checkpoint_mixing_namings_is_one_line_naming_both_keys(format_checkpo
 
 
 def test_a_float32_training_config_is_published_in_bfloat16(format_checkpoints, tmp_path, ray_address):
-    checkpoint = format_checkpoints[("qwen3_moe", "in-memory", "verl")]
-    destination = tmp_path / "export"
-    report_path = tmp_path / "report.json"
-    completed = run_main(
-        "--src", checkpoint.path, "--dst", str(destination), "--workers", "2", "--verify", "quick",
-        "--report", str(report_path),
-    )
-    assert completed.returncode == 0, completed.stderr
+    destination, report = export_checkpoint(format_checkpoints[("qwen3_moe", "in-memory", "verl")], tmp_path, "--verify", "quick")
     config = json.loads((destination / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
     with safe_open(str(destination / "model.safetensors"), framework="pt") as handle:
         assert {handle.get_slice(key).get_dtype() for key in handle.keys()} == {"BF16"}
-    report = json.loads(report_path.read_text())
     assert report["dtype"] == "bfloat16" and "says float32" in report["dtype_reason"]
     assert report["naming"] == "in-memory" and report["format"] == "on-disk"

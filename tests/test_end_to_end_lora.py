@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("ray_address")
 
 
 def export(src: str, dst: str, tmp_path, *extra: str) -> str:
-    completed = run_main("--src", src, "--dst", dst, "--workers", "2", *extra)
+    completed = run_main("--src", src, "--dst", dst, "--workers", "2", "--dtype", "float32", *extra)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return download(dst, str(tmp_path / "export"))
 

@@ -23,7 +23,7 @@ def committed(checkpoints, ray_address, tmp_path_factory):
     from rayexport import export
 
     destination = str(tmp_path_factory.mktemp("verify") / "export")
-    report = export(checkpoints["tied"].path, destination, workers=2, max_shard_size="60KB", verify="full")
+    report = export(checkpoints["tied"].path, destination, workers=2, max_shard_size="60KB", verify="full", dtype="float32")
     assert len([name for name in report.files if name.startswith("model-")]) == 3
     return destination
 
