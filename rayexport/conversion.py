@@ -68,6 +68,7 @@ class _TileTracer(TorchDispatchMode):
     def __init__(self, inputs: dict[str, torch.Tensor], what: str):
         super().__init__()
         self.what = what
+        # keyed by id(); each entry keeps its tensor alive so that id is never reused mid-trace
         self.traced: dict[int, tuple[torch.Tensor, tuple[Tile, ...] | str]] = {
             id(tensor): (tensor, (tiling.whole(name, tuple(tensor.shape)),)) for name, tensor in inputs.items()
         }
@@ -94,11 +95,10 @@ class _TileTracer(TorchDispatchMode):
             return result
         outputs = [leaf for leaf in tree_leaves(result) if isinstance(leaf, torch.Tensor)]
         rule = _RULES.get(func.overloadpacket.__name__)
-        bound = _bind(func, args, kwargs)
         try:
             if rule is None:
                 raise _Untraceable
-            traced = rule(self._tiles, bound, outputs)
+            traced = rule(self._tiles, _bind(func, args, kwargs), outputs)
         except _Untraceable:
             traced = [str(func)] * len(outputs)
         for tensor, tiles in zip(outputs, traced):
