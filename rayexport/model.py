@@ -34,7 +34,7 @@ def hf_file_names(hf_store: Store) -> list[str]:
     try:
         found = hf_store.fs.find(root)
     except Exception as error:  # noqa: BLE001 - storage clients raise many types
-        raise ExportError(f"cannot list '{hf_store.uri}': {error}") from None
+        raise ExportError(f"cannot list '{hf_store.uri}': {one_line(error)}") from None
     names = sorted(posixpath.relpath(path, root) for path in found)
     return [name for name in names if not WEIGHT_FILE.search(name)]
 
@@ -207,7 +207,7 @@ def _parse_json(data: bytes, uri: str) -> dict:
     try:
         value = json.loads(data)
     except ValueError as error:
-        raise ExportError(f"'{uri}' is not valid JSON: {error}") from None
+        raise ExportError(f"'{uri}' is not valid JSON: {one_line(error)}") from None
     if not isinstance(value, dict):
         raise ExportError(f"'{uri}' is not a JSON object")
     return value

@@ -10,12 +10,25 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rayexport.errors import ExportError
+from rayexport.errors import ExportError, one_line
 from rayexport.options import ExportOptions
 
 
 class ExportFailed(ExportError):
     """An export started with `export_remote` failed; the message is the CLI's one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = one_line(message)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # `ray.get` raises the task's ExportFailed as an instance of a class Ray derives from it
+        # and RayTaskError, whose text is the task's traceback over many lines: keep the one line.
+        super().__init_subclass__(**kwargs)
+        cls.__str__ = ExportFailed.__str__
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def export_remote(src: str, dst: str, *, max_concurrent: int | None = None, **options: Any):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import traceback
 
-from rayexport.errors import ExportError, one_line
+from rayexport.errors import ExportError, print_error
 from rayexport.options import ExportOptions, add_option_arguments, options_from_arguments
 
 
@@ -59,16 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             from rayexport.job import run_export
 
             report = run_export(ExportOptions(src=source, dst=destination, **options))
-    except ExportError as error:
-        if args.debug:
-            traceback.print_exc()
-        print(f"rayexport: error: {one_line(error)}", file=sys.stderr)
-        return 1
     except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
-        if args.debug:
-            traceback.print_exc()
-        print(f"rayexport: internal error: {type(error).__name__}: {one_line(error)}", file=sys.stderr)
-        return 2
+        return print_error(error, args.debug)
     print(report.summary())
     if args.report == "-":
         print(report.to_json())
@@ -89,8 +80,7 @@ def watch_command(args: argparse.Namespace, options: dict) -> int:
             watch(args.watch, args.pattern, args.dst_template, options, storage_options, args.interval, args.settle)
         results = watch_once(args.watch, args.pattern, args.dst_template, options, storage_options, args.settle)
     except ExportError as error:
-        print(f"rayexport: error: {one_line(error)}", file=sys.stderr)
-        return 1
+        return print_error(error)
     for result in results:
         print(f"{result['status']}: {result['source']} -> {result['destination']}")
     return 1 if any(result["status"] == "failed" for result in results) else 0
@@ -103,8 +93,7 @@ def cleanup(uri: str, storage_options: dict) -> int:
     try:
         aborted = Store(uri, storage_options_from_env(storage_options)).abort_uploads()
     except ExportError as error:
-        print(f"rayexport: error: {error}", file=sys.stderr)
-        return 1
+        return print_error(error)
     print(f"aborted {len(aborted)} unfinished upload(s) under {uri}" + "".join(f"\n  {key}" for key in aborted))
     return 0
 

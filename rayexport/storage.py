@@ -174,6 +174,23 @@ class Store:
     def write_json(self, name: str, value: Any) -> None:
         self.write_bytes(name, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create `name` holding `data` unless it exists; False when it does. Only as exclusive
+        as the store: S3 honours it with a conditional write, some compatible stores ignore it
+        (`rayexport.watch.exclusive_create_honoured` probes which)."""
+
+        def create() -> bool:
+            if self.is_local:
+                self.fs.makedirs(self.root, exist_ok=True)
+            try:
+                with self.fs.open(self.path(name), "xb") as handle:
+                    handle.write(data)
+            except FileExistsError:
+                return False
+            return True
+
+        return self._call("create", name, create)
+
     def _call(self, operation: str, name: str, function, *args, **kwargs):
         try:
             return function(*args, **kwargs)

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from rayexport.errors import ExportError
+from rayexport.errors import ExportError, print_error
 from rayexport.manifest import MANIFEST_NAME, read_manifest
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.verification import ExpectedExport, verify_export
@@ -40,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = verify_uri(args.uri, args.level, args.storage_options, args.timeout)
     except ExportError as error:
-        print(f"rayexport: error: {error}", file=sys.stderr)
-        return 1
+        return print_error(error)
     print(json.dumps(result, indent=2) if args.json else f"verified {args.uri} ({result['level']}): "
           + ", ".join(result["checks"]))
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 
 import pytest
@@ -42,6 +44,17 @@ def test_failures_surface_as_a_typed_exception(ray_address, tmp_path):
         ray.get(reference, timeout=120)
     assert isinstance(error.value, ExportFailed)
     assert f"source '{tmp_path / 'missing'}' does not exist" in str(error.value)
+
+
+def test_a_failure_is_the_clis_one_line_even_from_a_multi_line_cause(checkpoints, ray_address, tmp_path):
+    source = shutil.copytree(checkpoints["tied"].path, tmp_path / "ckpt")
+    config_path = source / "huggingface" / "config.json"
+    config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()), model_type="no-such-model")))
+    with pytest.raises(ExportFailed) as error:
+        ray.get(export_remote(str(source), str(tmp_path / "out")), timeout=300)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("config.json cannot be loaded by transformers")
+    assert "no-such-model" in message and "pip install --upgrade transformers" in message  # the cause's 1st and 3rd line
 
 
 def test_bad_options_fail_before_anything_starts(ray_address, tmp_path):

@@ -214,3 +214,27 @@ def test_secrets_never_reach_logs_report_or_manifest(s3_checkpoints, s3_prefix, 
         if os.path.isfile(path):
             with open(path, errors="replace") as handle:
                 assert sentinel not in handle.read(), path
+
+
+# Every command prints an error as one line, whatever the text it embeds: a library's message
+# over several lines (transformers, botocore) or a path holding a newline.
+
+def test_export_prints_a_multi_line_cause_on_one_line(broken_copy, tmp_path):
+    config_path = broken_copy / "huggingface" / "config.json"
+    config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()), model_type="no-such-model")))
+    completed = run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out"))
+    assert completed.returncode == 1
+    assert_fails(completed, "no-such-model", "pip install --upgrade transformers")  # the cause's 1st and 3rd line
+
+
+def test_watch_prints_a_multi_line_cause_on_one_line(tmp_path):
+    completed = run_main("--watch", "s3://no such bucket/run7", "--dst-template", str(tmp_path / "{step}"), "--once")
+    assert completed.returncode == 1
+    assert_fails(completed, "Parameter validation failed: Invalid bucket name")  # botocore's two lines
+
+
+def test_verify_prints_a_multi_line_message_on_one_line(tmp_path):
+    completed = subprocess.run([sys.executable, "-m", "rayexport.verify", str(tmp_path / "exports\nstep7")],
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 1
+    assert completed.stderr.splitlines() == [assert_fails(completed, "exports step7' is not a committed export")]

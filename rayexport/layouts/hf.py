@@ -10,7 +10,7 @@ import torch
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
 from rayexport.dtypes import TORCH_NAME_OF_CODE
-from rayexport.errors import ExportError
+from rayexport.errors import ExportError, one_line
 from rayexport.layouts.shards import ShardInfo
 from rayexport.storage import Store
 
@@ -42,7 +42,7 @@ class SafetensorsTensors(Mapping):
             try:
                 handle = safe_open(path, framework="pt")
             except Exception as error:  # noqa: BLE001 - safetensors raises its own types
-                raise ExportError(f"base model file '{store.display(name)}' cannot be read: {error}") from None
+                raise ExportError(f"base model file '{store.display(name)}' cannot be read: {one_line(error)}") from None
             self.handles[name] = handle
             for key in handle.keys():
                 self.file_of[key] = name
