@@ -35,9 +35,17 @@ def trace_save_conversion(
     model: torch.nn.Module, expected: dict[str, tuple[tuple[int, ...], str]]
 ) -> dict[str, tuple[tuple[int, ...], str, tuple[Tile, ...]]]:
     """Each on-disk name `save_pretrained` writes for the in-memory tensors `expected` (name:
-    shape, dtype), with its shape, dtype and the tiles of in-memory tensors it is made of."""
-    from transformers.core_model_loading import revert_weight_conversion
-
+    shape, dtype), with its shape, dtype and the tiles of in-memory tensors it is made of.
+    transformers 4 saves the names it holds, except VLMs' renaming (4.52+), which is refused."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        if getattr(model, "_checkpoint_conversion_mapping", None):
+            raise ExportError(
+                f"transformers 4 renames {type(model).__name__}'s tensors on save (_checkpoint_conversion_mapping); "
+                f"exporting it needs transformers>=5"
+            ) from None
+        return {name: (shape, dtype, (tiling.whole(name, shape),)) for name, (shape, dtype) in expected.items()}
     return trace(lambda state: revert_weight_conversion(model, state), expected, "transformers' save conversion")
 
 

@@ -2,7 +2,8 @@
 
 Run as `python -m rayexport.reload_check DIR [--trust-remote-code] [--keys-only] [--tied CANONICAL=ALIAS ...]`
 by the verification step, with storage credentials removed from its environment and an empty
-module cache, because remote code executes on import. Prints one JSON object.
+module cache, because remote code executes on import. Loads the tokenizer too, when the export
+carries one. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -10,13 +11,59 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 
 import torch
 
+from rayexport.dtypes import dtype_name
+from rayexport.errors import one_line
 from rayexport.lora import ADAPTER_WEIGHTS
 
 PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
+# Files whose presence means the export carries a tokenizer for AutoTokenizer to load.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+
+
+def auto_dtype() -> dict[str, str]:
+    """from_pretrained's argument that loads the weights in the dtype config.json states:
+    `dtype` from transformers 4.56, `torch_dtype` before it (which keeps an unknown `dtype` in
+    the config without a word and loads float32)."""
+    import transformers
+    from packaging.version import Version
+
+    return {"dtype": "auto"} if Version(transformers.__version__).release >= (4, 56) else {"torch_dtype": "auto"}
+
+
+def load_tokenizer(path: str, trust_remote_code: bool) -> dict:
+    """AutoTokenizer loads the export's tokenizer, when it carries one: `tokenizer` (the class
+    loaded) or `tokenizer_error` (one line naming the file and class). The class that
+    tokenizer_config.json declares must exist in the installed transformers, which from version
+    5 would otherwise load a stand-in class without a word."""
+    present = [name for name in TOKENIZER_FILES if os.path.exists(os.path.join(path, name))]
+    if not present:
+        return {}
+    from transformers import AutoTokenizer, __version__
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    settings = {}
+    if "tokenizer_config.json" in present:
+        try:
+            with open(os.path.join(path, "tokenizer_config.json")) as handle:
+                settings = json.load(handle)
+        except ValueError as error:
+            return {"tokenizer_error": f"tokenizer_config.json is not valid JSON: {one_line(error)}"}
+    declared = settings.get("tokenizer_class")
+    where = f"tokenizer_config.json's tokenizer_class '{declared}'" if declared else ", ".join(present)
+    if declared and "auto_map" not in settings and not (
+        tokenizer_class_from_name(declared) or tokenizer_class_from_name(declared + "Fast")
+    ):
+        return {"tokenizer_error": f"{where} is not a tokenizer class of transformers {__version__}"}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - tokenizer code raises anything
+        return {"tokenizer_error": f"AutoTokenizer cannot load {where}: {type(error).__name__}: {one_line(error)}"}
+    return {"tokenizer": type(tokenizer).__name__}
 
 
 def compare_keys(path: str, trust_remote_code: bool, tied: list[tuple[str, str]], export_format: str) -> dict:
@@ -51,19 +98,18 @@ def compare_keys(path: str, trust_remote_code: bool, tied: list[tuple[str, str]]
 
 
 def reload_and_probe(path: str, trust_remote_code: bool, tied: list[tuple[str, str]], adapter: str | None) -> dict:
-    """Load the export, report missing/unexpected keys, tie sharing, a forward pass, and which
-    adapter tensors peft failed to load."""
+    """Load the export, report the dtype it loaded in, missing/unexpected keys, tie sharing, a
+    forward pass, and which adapter tensors peft failed to load."""
     from transformers import AutoConfig
 
     from rayexport.model import model_class
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model, info = model_class(config).load(
-        path, trust_remote_code, output_loading_info=True, dtype="auto"
-    )
+    model, info = model_class(config).load(path, trust_remote_code, output_loading_info=True, **auto_dtype())
     parameters = dict(model.named_parameters(remove_duplicate=False))
     result = {
         "class": type(model).__name__,
+        "dtype": dtype_name(model.dtype),
         "missing_keys": sorted(info.get("missing_keys", [])),
         "unexpected_keys": sorted(info.get("unexpected_keys", [])),
         "mismatched_keys": sorted(str(item) for item in info.get("mismatched_keys", [])),
@@ -117,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         result = compare_keys(args.path, args.trust_remote_code, tied, args.format)
     else:
         result = reload_and_probe(args.path, args.trust_remote_code, tied, args.adapter)
+    result.update(load_tokenizer(args.path, args.trust_remote_code))
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
     json.dump(result, sys.stdout)
     return 0
 

@@ -220,8 +220,9 @@ def check_fidelity(local_dir: str, expected: ExpectedExport) -> dict[str, Any]:
 
 def check_reload(local_dir: str, expected: ExpectedExport, timeout_s: float) -> dict[str, Any]:
     """transformers loads the export in a clean process: no missing or unexpected keys, tied
-    tensors share memory, a forward pass gives finite logits, and peft loads the adapter. With
-    `quick`, only the keys and shapes are compared with the model built on the meta device."""
+    tensors share memory, a forward pass gives finite logits, peft loads the adapter and
+    AutoTokenizer the tokenizer. With `quick`, only the keys and shapes are compared with the
+    model built on the meta device (the tokenizer still loads)."""
     env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
     with tempfile.TemporaryDirectory(prefix="rayexport-modules-") as modules:
         env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -250,6 +251,8 @@ def check_reload(local_dir: str, expected: ExpectedExport, timeout_s: float) -> 
         raise VerificationError("reload: the forward pass gives non-finite logits")
     if result.get("adapter_missing"):
         raise VerificationError(f"reload: peft did not load adapter tensor '{result['adapter_missing'][0]}'")
+    if result.get("tokenizer_error"):
+        raise VerificationError(f"reload: {result['tokenizer_error']}")
     return result
 
 

@@ -94,3 +94,27 @@ def test_rerun_of_a_committed_export_does_nothing(checkpoints, tmp_path):
     assert again.returncode == 0 and "already holds a committed export" in again.stdout
     other = run_main("--src", checkpoints["untied"].path, "--dst", destination, "--verify", "none")
     assert other.returncode == 1 and "--force" in other.stderr
+
+
+def test_tokenizer_that_does_not_load_fails_verification_and_commits_nothing(checkpoints, tmp_path):
+    import shutil
+
+    source = shutil.copytree(checkpoints["tied"].path, tmp_path / "source")
+    config_path = source / "huggingface" / "tokenizer_config.json"
+    config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()), tokenizer_class="BogusTokenizer")))
+    destination = tmp_path / "out"
+    completed = run_main("--src", str(source), "--dst", str(destination), "--verify", "full")
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("rayexport:")]
+    assert completed.returncode == 1 and len(errors) == 1
+    assert errors[0].startswith("rayexport: error: reload: tokenizer_config.json") and "'BogusTokenizer'" in errors[0]
+    assert not (destination / "export_manifest.json").exists()
+
+
+def test_a_good_tokenizer_and_bfloat16_reload_pass_verification(checkpoints, tmp_path):
+    destination = tmp_path / "out"
+    completed = run_main("--src", checkpoints["tied"].path, "--dst", str(destination), "--verify", "full",
+                         "--dtype", "bfloat16", "--report", "-")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    reload_check = json.loads(completed.stdout[completed.stdout.index("{"):])["verification"]["checks"]["reload"]
+    assert reload_check["tokenizer"] and reload_check["dtype"] == "bfloat16"
+    assert (destination / "export_manifest.json").exists()

@@ -194,3 +194,31 @@ def test_verify_cli_exit_codes(export_copy):
     os.remove(f"{export_copy}/export_manifest.json")
     missing = subprocess.run([sys.executable, "-m", "rayexport.verify", export_copy], capture_output=True, text=True)
     assert missing.returncode == 1 and "not a committed export" in missing.stderr
+
+
+def test_a_tokenizer_class_transformers_lacks_fails_the_reload(export_copy):
+    path = f"{export_copy}/tokenizer_config.json"
+    settings = dict(json.load(open(path)), tokenizer_class="BogusTokenizer")
+    rewrite_recorded(export_copy, "tokenizer_config.json", json.dumps(settings).encode())
+    for level in ("full", "quick"):
+        message = fails(export_copy, "reload", "tokenizer_config.json", "'BogusTokenizer'", level=level)
+        assert "\n" not in message
+
+
+def test_the_reload_reports_the_tokenizer_and_dtype_it_loaded(export_copy):
+    reload = verify_uri(export_copy)["checks"]["reload"]
+    assert reload["tokenizer"] and reload["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("version, argument", [
+    ("4.50.3", "torch_dtype"), ("4.55.4", "torch_dtype"), ("4.56.0.dev0", "dtype"), ("4.56.1", "dtype"), ("5.24.0", "dtype"),
+])
+def test_the_reload_names_the_dtype_argument_the_installed_transformers_reads(monkeypatch, version, argument):
+    """transformers below 4.56 reads `torch_dtype` and keeps `dtype` in the config unread, loading
+    a bfloat16 export as float32 (benchmarks/transformers_floor.sh runs the real 4.50)."""
+    import transformers
+
+    from rayexport.reload_check import auto_dtype
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    assert auto_dtype() == {argument: "auto"}
