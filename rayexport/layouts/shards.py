@@ -9,6 +9,7 @@ import torch
 
 from rayexport.dtypes import dtype_name
 from rayexport.errors import ExportError
+from rayexport.scan import is_finite
 
 
 @dataclass(frozen=True)
@@ -29,15 +30,6 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """The part of a (D)Tensor this rank holds."""
     to_local = getattr(value, "to_local", None)
     return to_local() if to_local is not None else value
-
-
-def is_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or Inf in a tensor. min and max propagate NaN and reach Inf, and one aminmax pass
-    over the data is many times faster than materialising isfinite's mask."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def describe_tensor(value: torch.Tensor, rank: int) -> ShardInfo:
