@@ -43,8 +43,18 @@ def storage_options_from_env(explicit: dict[str, Any] | None = None) -> dict[str
     for variable, option in _CREDENTIAL_ENV.items():
         if os.environ.get(variable):
             options[option] = os.environ[variable]
-    options.update(explicit or {})
-    return options
+    return merge_options(options, explicit or {})
+
+
+def merge_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`defaults` with `overrides` applied at every depth: a user's `config_kwargs.read_timeout`
+    replaces that one setting and keeps the default retries beside it."""
+    merged = dict(defaults)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = merge_options(merged[key], value)
+        merged[key] = value
+    return merged
 
 
 # Transient S3 faults (500, 502, 503 SlowDown, 504, dropped connections, timeouts) are retried
@@ -69,7 +79,7 @@ class Store:
     def __post_init__(self) -> None:
         self.uri = self.uri.rstrip("/") or self.uri
         protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
-        fs_options = {**S3_DEFAULTS, **self.options} if protocol in ("s3", "s3a") else {}
+        fs_options = merge_options(S3_DEFAULTS, self.options) if protocol in ("s3", "s3a") else {}
         try:
             self.fs, self.root = url_to_fs(self.uri, **fs_options)
         except (ValueError, ImportError) as error:

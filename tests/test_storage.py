@@ -66,3 +66,14 @@ def test_options_from_environment_and_flags(monkeypatch):
     assert options["endpoint_url"] == "http://127.0.0.1:9" and options["key"] == "override"
     assert options["secret"] == "secret"
     assert "secret" not in repr(Store("/tmp", options))
+
+
+def test_a_users_client_setting_keeps_the_retry_defaults(s3_prefix):
+    """`--storage-options '{"config_kwargs": {"read_timeout": 7}}'` changes that one setting of
+    the S3 client; it used to replace them all, dropping the 5 standard-mode retries."""
+    store = Store(s3_prefix, storage_options_from_env({"config_kwargs": {"read_timeout": 7}}))
+    store.exists("anything")  # connects the client
+    config = store.fs.s3.meta.config
+    assert config.read_timeout == 7 and config.connect_timeout == 20
+    assert config.retries["mode"] == "standard"
+    assert config.retries["total_max_attempts"] == 6  # botocore's count: the call and 5 retries
