@@ -12,8 +12,8 @@ from typing import Any, Iterator
 
 from rayexport.errors import ExportError
 from rayexport.group import WorkerGroup
-from rayexport.layouts.dcp import DcpCheckpoint, find_dcp_checkpoint, is_dcp_checkpoint
-from rayexport.layouts.verl import VerlCheckpoint, find_verl_checkpoint
+from rayexport.layouts.dcp import DcpCheckpoint, accelerate_model_folder, find_dcp_checkpoint, is_dcp_checkpoint
+from rayexport.layouts.verl import RANK_FILE, VerlCheckpoint, find_verl_checkpoint
 from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
 from rayexport.model import describe_model, generated_files, hf_folder
 from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
@@ -57,8 +57,9 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
     destination = Store(options.dst, storage_options)
     base_model = Store(options.base_model, storage_options) if options.base_model else None
     with _stage(seconds, "plan"):
-        checkpoint = find_checkpoint(source, options)
         _check_destination(source, destination)
+        trainer_folder = source
+        source, checkpoint = find_checkpoint(source, options)
         existing = read_manifest(destination)
         if existing is not None:
             if _same_export(existing, checkpoint, options) and not options.force:
@@ -72,6 +73,8 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         for key in destination.abort_uploads():
             log.warning("aborted an unfinished upload left by an earlier run: %s", key)
         hf_config = Store(options.hf_config, storage_options) if options.hf_config else None
+        if hf_config is None and source is not trainer_folder and trainer_folder.exists("config.json"):
+            hf_config = trainer_folder  # a Trainer checkpoint keeps config and tokenizer beside the model folder
         hf_source = hf_folder(source, checkpoint, hf_config, base_model)
         model = describe_model(hf_source, base_model, options)
         destination.write_bytes(".rayexport-write-probe", b"")
@@ -188,16 +191,30 @@ def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, f
     return plan(untied), untied
 
 
-def find_checkpoint(source: Store, options: ExportOptions) -> VerlCheckpoint | DcpCheckpoint:
+def find_checkpoint(source: Store, options: ExportOptions) -> tuple[Store, VerlCheckpoint | DcpCheckpoint]:
     """The checkpoint at `source`, read by the layout `--layout` names or, with `auto`, the one
-    its files show (`.metadata`: DCP; rank files: verl)."""
-    layout = options.layout
-    if layout == "auto":
-        dcp_files = is_dcp_checkpoint(source) or any(name.endswith(".distcp") for name in source.list())
-        layout = "dcp" if dcp_files else "verl"
+    its files show (`.metadata`: DCP; rank files: verl). An accelerate checkpoint folder with no
+    checkpoint files of its own is read from its model folder (`pytorch_model_fsdp_0/`).
+    Returns the folder the checkpoint is in, and the checkpoint."""
+    found = _layout_of_files(source)
+    if found is None:
+        model_folder = accelerate_model_folder(source)
+        if model_folder is not None:
+            log.info("reading the model checkpoint '%s'", source.display(model_folder))
+            source = source.child(model_folder)
+            found = _layout_of_files(source)
+    layout = (found or "verl") if options.layout == "auto" else options.layout
     if layout == "dcp":
-        return find_dcp_checkpoint(source, options.dcp_prefix, unsafe_pickle=options.unsafe_pickle)
-    return find_verl_checkpoint(source)
+        return source, find_dcp_checkpoint(source, options.dcp_prefix, unsafe_pickle=options.unsafe_pickle)
+    return source, find_verl_checkpoint(source)
+
+
+def _layout_of_files(source: Store) -> str | None:
+    """The layout the files directly under `source` are in, None when they are in neither."""
+    files = source.list()
+    if is_dcp_checkpoint(source) or any(name.endswith(".distcp") for name in files):
+        return "dcp"
+    return "verl" if any(RANK_FILE.match(name) for name in files) else None
 
 
 def _check_finite(rank_infos: dict[int, dict[str, Any]], strict: bool) -> bool:

@@ -102,6 +102,13 @@ class Store:
 
     def list(self, name: str = "") -> list[str]:
         """Names of the files directly under `name` (empty when it does not exist)."""
+        return self._entries(name, "file")
+
+    def folders(self, name: str = "") -> list[str]:
+        """Names of the folders directly under `name` (empty when it does not exist)."""
+        return self._entries(name, "directory")
+
+    def _entries(self, name: str, kind: str) -> list[str]:
         path = self.path(name)
         try:
             self.fs.invalidate_cache(path)
@@ -110,11 +117,7 @@ class Store:
             return []
         except Exception as error:  # noqa: BLE001 - storage clients raise many types
             raise ExportError(f"cannot list '{self.display(name)}': {one_line(error)}") from None
-        return sorted(
-            posixpath.basename(entry["name"].rstrip("/"))
-            for entry in entries
-            if entry.get("type") == "file"
-        )
+        return sorted(posixpath.basename(entry["name"].rstrip("/")) for entry in entries if entry.get("type") == kind)
 
     def size(self, name: str) -> int:
         return self._call("stat", name, self.fs.size, self.path(name))

@@ -81,3 +81,37 @@ def test_dcp_keys_that_do_not_match_the_config(dcp_checkpoints, tmp_path):
     assert completed.returncode == 1
     assert "rayexport: error:" in completed.stderr and "config" in completed.stderr.splitlines()[-1]
     assert not (tmp_path / "out" / "export_manifest.json").exists()
+
+
+
+def accelerate_checkpoint(dcp_checkpoint: str, folder, models: int = 1):
+    """A Trainer checkpoint folder as accelerate's `save_state` under FSDP's sharded state dict
+    leaves it: the model as DCP in `pytorch_model_fsdp_<i>/` (one per model), the optimizer in
+    `optimizer_0/`, and config and tokenizer files beside them."""
+    for index in range(models):
+        shutil.copytree(dcp_checkpoint, folder / f"pytorch_model_fsdp_{index}", ignore=shutil.ignore_patterns("huggingface"))
+    (folder / "optimizer_0").mkdir()
+    for name in os.listdir(f"{dcp_checkpoint}/huggingface"):
+        shutil.copy(f"{dcp_checkpoint}/huggingface/{name}", folder / name)
+    return folder
+
+
+def test_an_accelerate_checkpoint_folder_is_read_from_its_model_folder(dcp_checkpoints, tmp_path, caplog):
+    source = accelerate_checkpoint(dcp_checkpoints["tied"]["local"], tmp_path / "checkpoint-500")
+    with caplog.at_level("INFO", logger="rayexport.job"):
+        completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"), "--dtype", "float32")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert f"reading the model checkpoint '{source}/pytorch_model_fsdp_0'" in caplog.text
+    manifest = json.loads((tmp_path / "out" / "export_manifest.json").read_text())
+    assert manifest["source"].endswith("checkpoint-500/pytorch_model_fsdp_0")
+    torch.testing.assert_close(reload(str(tmp_path / "out"))["logits"], dcp_checkpoints["tied"]["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_an_accelerate_checkpoint_folder_with_two_models_names_them(dcp_checkpoints, tmp_path):
+    source = accelerate_checkpoint(dcp_checkpoints["tied"]["local"], tmp_path / "checkpoint-500", models=2)
+    completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"))
+    assert completed.returncode == 1
+    assert completed.stderr.splitlines()[-1] == (
+        f"rayexport: error: '{source}' holds 2 model checkpoints (pytorch_model_fsdp_0, pytorch_model_fsdp_1); "
+        "pass the one to export as --src"
+    )

@@ -35,6 +35,10 @@ from rayexport.storage import Store
 DCP_METADATA = ".metadata"
 _DISTCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
+# accelerate's `save_state` (and transformers' Trainer and TRL under FSDP's sharded state dict)
+# writes each model as DCP in a folder of its own, beside `optimizer_<i>/`.
+ACCELERATE_MODEL_FOLDER = re.compile(r"^pytorch_model_fsdp_\d+$")
+
 # Top-level names of the non-model state that training loops save beside the model.
 NON_MODEL_NAMES = frozenset({
     "optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "optimizer_states",
@@ -110,6 +114,17 @@ def find_dcp_checkpoint(store: Store, prefix: str | None = None, *, unsafe_pickl
         uri=store.uri, prefix=prefix, tensors=tensors, skipped=sorted(skipped), world_size=len(ranks),
         has_hf_config="config.json" in store.list("huggingface"),
     )
+
+
+def accelerate_model_folder(store: Store) -> str | None:
+    """The model folder of an accelerate checkpoint at `store`: its one `pytorch_model_fsdp_<i>/`,
+    None where it holds none. Several (one per model) are refused, naming them."""
+    found = [name for name in store.folders() if ACCELERATE_MODEL_FOLDER.match(name)]
+    if len(found) > 1:
+        raise ExportError(
+            f"'{store.uri}' holds {len(found)} model checkpoints ({', '.join(found)}); pass the one to export as --src"
+        )
+    return found[0] if found else None
 
 
 def assign_tensors(checkpoint: DcpCheckpoint, num_workers: int) -> list[list[str]]:
