@@ -12,20 +12,26 @@ from typing import Any
 
 from huggingface_hub import StateDictSplit
 
+from rayexport import spool
+from rayexport.dtypes import nbytes
 from rayexport.errors import ExportError, one_line
 from rayexport.layouts.dcp import DcpCheckpoint, assign_tensors
 from rayexport.layouts.verl import VerlCheckpoint
 from rayexport.options import ExportOptions
 from rayexport.placement import Devices, choose_devices, missing_resources
-from rayexport.plan.naming import TensorPlanning
+from rayexport.plan.naming import TensorPlan, TensorPlanning, model_names
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, holders_from_ranks, needed_ranks
 from rayexport.plan.schedule import TransferPlan, assign_ranks, keep_ties_together
 from rayexport.pool import IdleGroup, get_keeper, group_shape
 from rayexport.storage import Store
+from rayexport.transport import assemble
 from rayexport.verification import ExpectedExport, verify_export
 from rayexport.workers import ExportWorker
 
 log = logging.getLogger(__name__)
+
+# How long a failed export waits for the tasks that remove its spooled files on each node.
+SPOOL_CLEANUP_S = 30.0
 
 
 def _bundle_text(bundle: dict[str, float]) -> str:
@@ -69,6 +75,18 @@ def _actor_death(references: list, wait_s: float):
         except Exception:  # noqa: BLE001 - other failures are reported by the caller
             continue
     return None
+
+
+def _all_succeed(references: list, wait_s: float) -> bool:
+    """Whether every reference finishes without error within `wait_s` seconds."""
+    import ray
+
+    done, _ = ray.wait(references, num_returns=len(references), timeout=wait_s)
+    try:
+        ray.get(done, timeout=0)
+    except Exception:  # noqa: BLE001 - a dead actor, a failed call: not done
+        return False
+    return len(done) == len(references)
 
 
 def _get(references: list, limit: tuple[float, str], on_failure) -> list:
@@ -152,6 +170,8 @@ class WorkerGroup:
         self.placement_group = None
         self.keeper = None
         self.reused = False
+        # Names this export's spool folders on every node (rayexport.spool).
+        self.export_id = spool.new_export_id(job_deadline - time.monotonic())
 
     @property
     def _lifetime(self) -> dict[str, str]:
@@ -173,7 +193,7 @@ class WorkerGroup:
             if idle is not None:
                 self.actors, self.placement_group = idle.actors, idle.placement_group
                 try:
-                    self._get([actor.reset.remote() for actor in self.actors])
+                    self._get([actor.reset.remote(self.export_id) for actor in self.actors])
                     self.reused = True
                     return
                 except ExportError as error:  # a pooled worker died while idle: start afresh
@@ -196,7 +216,7 @@ class WorkerGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.placement_group, placement_group_bundle_index=index
                     ),
-                ).remote(index, self.size, self.options.log_level)
+                ).remote(index, self.size, self.options.log_level, self.export_id)
             )
         host, port = self._get([self.actors[0].open_rendezvous.remote(self.options.timeout_s)])[0]
         self._get([
@@ -249,7 +269,8 @@ class WorkerGroup:
         replicas are skipped); those are spread over the workers. DCP: each worker reads a
         byte-balanced share of whole tensors, tied copies together."""
         if isinstance(checkpoint, DcpCheckpoint):
-            assignment = keep_ties_together(assign_tensors(checkpoint, self.size), aliases)
+            name_of = {key: name for name, key in model_names(checkpoint.tensors)[0].items()}
+            assignment = keep_ties_together(assign_tensors(checkpoint, self.size), aliases, name_of)
             rank_infos = self.load_dcp(source, checkpoint, assignment)
             worker_of_rank = {worker: worker for worker in range(self.size)}
             holders = {key: {rank: infos[key]} for rank, infos in rank_infos.items() for key in infos}
@@ -282,35 +303,62 @@ class WorkerGroup:
         return self._get([self.actors[0].load_base_model.remote(base_model)])[0]
 
     def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
+        """Max |canonical - alias| per pair of source keys, over every worker that holds both;
+        a pair no worker could compare is absent (never taken as equal)."""
         if not pairs:
             return {}
-        differences = {pair: 0.0 for pair in pairs}
+        differences: dict[tuple[str, str], float] = {}
         for part in self._get([actor.tied_differences.remote(pairs) for actor in self.actors]):
             for pair, value in part.items():
-                differences[pair] = max(differences[pair], value)
+                differences[pair] = max(differences.get(pair, 0.0), value)
         return differences
 
     def source_pieces(self, planning: TensorPlanning, worker_of_rank: dict[int, int]) -> dict[str, list[dict]]:
         """Per output tensor, where each source piece goes and its digest after the planned
-        cast, computed by the worker holding it (LoRA-merged tensors have no such pieces)."""
-        requests: dict[int, list[tuple[Piece, str, str]]] = {}
-        for plan in planning.tensors + planning.adapters:
-            if plan.lora is None:
-                for piece in plan.pieces:
-                    requests.setdefault(worker_of_rank[piece.rank], []).append((piece, plan.dtype, plan.name))
+        cast, computed by the worker holding it. A piece of a LoRA-merged weight is merged there
+        first (`lora` in its record) with the adapter, whose halves the driver reads from their
+        holders, never from the gather, at most LORA_REFERENCE_BYTES of them at a time."""
+        plans = planning.tensors + planning.adapters
+        pieces = self._piece_digests([(plan, None) for plan in plans if plan.lora is None], worker_of_rank)
+        for batch in lora_batches([plan for plan in plans if plan.lora is not None], LORA_REFERENCE_BYTES):
+            halves = [half for plan in batch for half in (plan.lora.a, plan.lora.b)]
+            read = self._read_pieces([piece for half in halves for piece in half.pieces], worker_of_rank)
+            adapters = [
+                (assemble(plan.lora.a, read), assemble(plan.lora.b, read), plan.lora.scale, plan.lora.fan_in_fan_out)
+                for plan in batch
+            ]
+            pieces.update(self._piece_digests(list(zip(batch, adapters)), worker_of_rank))
+        return {name: sorted(records, key=lambda record: record["offset"]) for name, records in sorted(pieces.items())}
+
+    def _piece_digests(self, requested: list[tuple[TensorPlan, tuple | None]], worker_of_rank: dict[int, int]) -> dict[str, list[dict]]:
+        """The records of `source_pieces` for these plans, each with its adapter or None."""
+        requests: dict[int, list[tuple[Piece, str, tuple | None]]] = {}
+        names: dict[int, list[str]] = {}
+        for plan, adapter in requested:
+            for piece in plan.pieces:
+                worker = worker_of_rank[piece.rank]
+                requests.setdefault(worker, []).append((piece, plan.dtype, adapter))
+                names.setdefault(worker, []).append(plan.name)
         workers = sorted(requests)
-        answers = self._get([
-            self.actors[worker].source_digests.remote([(piece, dtype) for piece, dtype, _ in requests[worker]])
-            for worker in workers
-        ])
+        answers = self._get([self.actors[worker].source_digests.remote(requests[worker]) for worker in workers])
         pieces: dict[str, list[dict]] = {}
         for worker, digests in zip(workers, answers):
-            for (piece, _, name), digest in zip(requests[worker], digests):
+            for (piece, _, adapter), name, digest in zip(requests[worker], names[worker], digests):
                 pieces.setdefault(name, []).append({
                     "rank": piece.rank, "source_key": piece.source_key,
                     "offset": list(piece.offset), "shape": list(piece.shape), "sha256": digest,
+                    **({"lora": True} if adapter is not None else {}),
                 })
-        return {name: sorted(records, key=lambda record: record["offset"]) for name, records in sorted(pieces.items())}
+        return pieces
+
+    def _read_pieces(self, pieces: list[Piece], worker_of_rank: dict[int, int]) -> dict[Piece, Any]:
+        """Each piece's values, as the worker holding it read it."""
+        by_worker: dict[int, list[Piece]] = {}
+        for piece in pieces:
+            by_worker.setdefault(worker_of_rank[piece.rank], []).append(piece)
+        workers = sorted(by_worker)
+        answers = self._get([self.actors[worker].read_pieces.remote(by_worker[worker]) for worker in workers])
+        return {piece: tensor for worker, tensors in zip(workers, answers) for piece, tensor in zip(by_worker[worker], tensors)}
 
     def transfer(
         self, transfer: TransferPlan, plans: dict, split: StateDictSplit, destination: Store, carried: dict[str, bytes]
@@ -332,7 +380,8 @@ class WorkerGroup:
     def shutdown(self, graceful: bool = True) -> None:
         """Remove the actors (letting them leave the group and drop spooled files when
         `graceful`) and the placement group; with a warm pool, a graceful end instead resets
-        the actors and returns the group to the pool."""
+        the actors and returns the group to the pool. Spooled files that no worker dropped
+        (killed, dead, or not answering) are removed by a task on each node that ran one."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -342,9 +391,10 @@ class WorkerGroup:
                 ray.get(self.keeper.give.remote(self.shape, IdleGroup(self.actors, self.placement_group)))
                 self.actors, self.placement_group = [], None
                 return
+        spool_left = bool(self.actors)
         if graceful and self.actors:
-            closing = [actor.close.remote() for actor in self.actors]
-            ray.wait(closing, num_returns=len(closing), timeout=30)
+            spool_left = not _all_succeed([actor.close.remote() for actor in self.actors], wait_s=30)
+        nodes = self._worker_nodes() if spool_left else set()
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
@@ -353,6 +403,57 @@ class WorkerGroup:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.placement_group)
             self.placement_group = None
+        if nodes:
+            self._remove_spool(nodes)
+
+    def _worker_nodes(self) -> set[str]:
+        """The Ray nodes the placement group put the workers on."""
+        import ray
+
+        try:
+            table = ray.util.placement_group_table(self.placement_group)
+        except Exception:  # noqa: BLE001 - a group Ray no longer knows: nothing to clean
+            return set()
+        return {node for node in table.get("bundles_to_node_id", {}).values() if node}
+
+    def _remove_spool(self, nodes: set[str]) -> None:
+        """Remove this export's spool folder on each of `nodes`, by a task pinned there."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        task = ray.remote(num_cpus=0, max_retries=0)(spool.remove_export)
+        references = [
+            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(self.export_id)
+            for node in sorted(nodes)
+        ]
+        done, pending = ray.wait(references, num_returns=len(references), timeout=SPOOL_CLEANUP_S)
+        freed = 0
+        for reference in done:
+            with contextlib.suppress(Exception):
+                freed += ray.get(reference)
+        for reference in pending:
+            with contextlib.suppress(Exception):
+                ray.cancel(reference, force=True)
+        log.info("removed %d bytes of spooled files on %d node(s); %d node(s) did not answer", freed, len(done), len(pending))
 
     def _get(self, references: list) -> list:
         return _get(references, step_limit(self.options, self.job_deadline), on_failure=lambda: self.shutdown(graceful=False))
+
+
+# The LoRA halves the driver holds at once while the workers record merged pieces' digests.
+LORA_REFERENCE_BYTES = 64 << 20
+
+
+def lora_batches(plans: list[TensorPlan], budget: int) -> list[list[TensorPlan]]:
+    """LoRA-merged plans in consecutive batches whose A and B take at most `budget` bytes
+    together (or one plan, when its own halves take more)."""
+    batches: list[list[TensorPlan]] = []
+    size = 0
+    for plan in plans:
+        halves = sum(nbytes(half.shape, half.source_dtype) for half in (plan.lora.a, plan.lora.b))
+        if not batches or size + halves > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(plan)
+        size += halves
+    return batches

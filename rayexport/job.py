@@ -91,7 +91,10 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
             rank_infos, holders, worker_of_rank = group.load_checkpoint(source, checkpoint, all_aliases)
             base_infos = group.load_base_model(base_model) if base_model else None
         source_finite = _check_finite(rank_infos, options.strict)
-        lora = LoraRequest(options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora})
+        lora = LoraRequest(
+            options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora},
+            model["fan_in_fan_out"],
+        )
         dtype, dtype_reason = choose_dtype(options.dtype, model["config_dtype"])
         log.info("writing %s tensors: %s", dtype, dtype_reason)
 
@@ -112,8 +115,10 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         carried = {**model["carried"], **generated_files(model["config"], planning, bool(untied), options)}
         with _stage(seconds, "transfer"):
             result, worker_stats = group.transfer(transfer, by_name, split, destination, carried)
-    finally:
-        group.shutdown()
+    except BaseException:
+        group.shutdown(graceful=False)  # a failed export's workers are removed, never pooled
+        raise
+    group.shutdown()
 
     tensors = {
         plan.name: {"dtype": plan.dtype, "shape": list(plan.shape), "sha256": result["tensor_digests"][plan.name]}
@@ -182,7 +187,14 @@ def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, f
     Returns the planning and the aliases untied (in the checkpoint's naming)."""
     planning = plan(frozenset())
     differences = group.tied_differences(planning.tied_key_pairs)
-    tied_values = {pair: differences[keys] for pair, keys in zip(planning.resolution.to_compare, planning.tied_key_pairs)}
+    tied_values = {}
+    for pair, keys in zip(planning.resolution.to_compare, planning.tied_key_pairs):
+        if keys not in differences:
+            raise ExportError(
+                f"tied tensors '{keys[0]}' and '{keys[1]}' were read by different workers and "
+                f"could not be compared; refusing to drop '{keys[1]}' unchecked"
+            )
+        tied_values[pair] = differences[keys]
     untied = frozenset(alias for (_, alias), difference in tied_values.items() if difference != 0.0)
     if not (untied and untie):
         check_tied_values(tied_values)

@@ -1,6 +1,7 @@
 """LoRA / PEFT: recognising adapter keys, their settings, and folding them into base weights.
 
-Pure functions; the merge runs on the exporter once a layer's base weight, A and B are gathered.
+Pure functions; the merge runs on the exporter once a layer's base weight, A and B are gathered,
+and on the workers holding the weight's shards for the verification's reference.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -35,6 +36,8 @@ ADAPTER_DIR = "lora_adapter"
 # where it runs: importing it pulls in transformers)
 ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
 ADAPTER_CONFIG = f"{ADAPTER_DIR}/adapter_config.json"
+# Elements of W merged at a time: bounds the float32 temporaries of a merge.
+MERGE_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -117,9 +120,47 @@ def lora_settings(meta: dict[str, Any] | None, rank_of_a: int, overrides: dict[s
     )
 
 
-def merge_lora(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + scale * B @ A in float32 (the writer casts to the output dtype afterwards)."""
-    return base.float() + scale * (b.float() @ a.float())
+def fan_in_fan_out_weights(model: torch.nn.Module) -> frozenset[str]:
+    """The weights a model stores as (in_features, out_features), the transpose of nn.Linear's:
+    those of transformers' Conv1D (GPT-2 and kin), the layers peft merges with fan_in_fan_out."""
+    from transformers.pytorch_utils import Conv1D
+
+    return frozenset(f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Conv1D))
+
+
+def merge_lora(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, fan_in_fan_out: bool = False,
+    offset: tuple[int, int] = (0, 0),
+) -> Iterator[torch.Tensor]:
+    """W + scale * B @ A in float32 (the writer casts to the output dtype afterwards), as
+    consecutive blocks of rows; the delta is transposed for a `fan_in_fan_out` weight, stored
+    (in, out), as peft merges it. A is (r, in) and B (out, r) whole; `base` is W, or the box of
+    W at `offset`, whose merge comes out bit for bit as in the whole W's (a worker holding one
+    shard of W can recompute its part of an exported merge exactly)."""
+    top, left = offset
+    height, width = base.shape
+    rows = max(1, MERGE_BLOCK // max(width, 1))
+    for start in range(0, max(height, 1), rows):  # an empty W still gives one (empty) block
+        stop = min(start + rows, height)
+        if fan_in_fan_out:  # W's rows are A's columns, its columns B's rows
+            delta = _lora_delta(b[left:left + width], a[:, top + start:top + stop]).T
+        else:
+            delta = _lora_delta(b[top + start:top + stop], a[:, left:left + width])
+        yield base[start:stop].float() + delta * scale
+
+
+def _lora_delta(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """B @ A in float32, summed over the rank in order with one rounded product and one rounded
+    sum per step, so every element comes out the same whatever block holds it and on any CPU
+    (a BLAS matmul's rounding depends on the shapes, the threads and the CPU's kernels, and a
+    fused op such as addcmul_ may round differently in its vectorised loop and its tail)."""
+    b, a = b.float(), a.float()
+    delta = torch.zeros(b.shape[0], a.shape[1], dtype=torch.float32)
+    term = torch.empty_like(delta)
+    for k in range(a.shape[0]):
+        torch.mul(b[:, k:k + 1], a[k:k + 1], out=term)
+        delta.add_(term)
+    return delta
 
 
 def adapter_tensor_name(target: LoraTarget, which: str) -> str:

@@ -18,7 +18,7 @@ from rayexport.dtypes import dtype_name, dtype_of
 from rayexport.errors import ExportError, one_line
 from rayexport.layouts.dcp import DcpCheckpoint
 from rayexport.layouts.verl import HF_DIR, VerlCheckpoint
-from rayexport.lora import ADAPTER_CONFIG, adapter_config
+from rayexport.lora import ADAPTER_CONFIG, adapter_config, fan_in_fan_out_weights
 from rayexport.options import ExportOptions
 from rayexport.plan.naming import TensorPlanning
 from rayexport.remote_code import auto_map_files, bundle_model_code
@@ -200,6 +200,7 @@ def describe_model(hf_store: Store, base_model: Store | None, options: ExportOpt
         "config": saved_config(config, raw_config),
         "config_dtype": config_dtype(config),
         "formats": model_formats(meta_model, expected_tensors(meta_model), find_tie_aliases(meta_model)),
+        "fan_in_fan_out": fan_in_fan_out_weights(meta_model),
     }
 
 

@@ -69,25 +69,28 @@ class TieResolution:
 
 
 def resolve_tied_names(present: Iterable[str], aliases: dict[str, str]) -> TieResolution:
-    """Resolve aliases among the names a checkpoint holds.
+    """Resolve aliases among the names a checkpoint holds, one tie group at a time.
 
-    Both canonical and alias present: keep the canonical, drop the alias, and ask for their
-    values to be compared (training may have untied them). Only the alias present: promote it
-    to the canonical name so a tied parameter never loses its only copy.
+    The group's provider is its canonical name when present, else its first present alias,
+    promoted to the canonical name so a tied parameter never loses its only copy. Every other
+    present name of the group is dropped, and its values are compared with the provider's
+    (training may have untied them): with three or more names (T5's shared embedding) two
+    aliases are compared even when the canonical is absent.
     """
     present = list(present)
-    present_set = set(present)
-    resolution = TieResolution()
+    groups: dict[str, list[str]] = {}
     for name in present:
-        canonical = aliases.get(name)
-        if canonical is None:
-            resolution.sources[name] = name
-        elif canonical in present_set:
-            resolution.dropped.append(name)
-            resolution.to_compare.append((canonical, name))
-        else:
-            resolution.sources[canonical] = name
-            resolution.promoted[name] = canonical
+        groups.setdefault(aliases.get(name, name), []).append(name)
+    resolution = TieResolution()
+    for canonical, names in groups.items():
+        provider = canonical if canonical in names else names[0]
+        resolution.sources[canonical] = provider
+        if provider != canonical:
+            resolution.promoted[provider] = canonical
+        for name in names:
+            if name != provider:
+                resolution.dropped.append(name)
+                resolution.to_compare.append((provider, name))
     return resolution
 
 

@@ -235,7 +235,7 @@ def output_chunks(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> list[t
     assembled copy; anything else is assembled, and a LoRA adapter is merged when planned."""
     if plan.lora is not None:
         a, b = assemble(plan.lora.a, pieces), assemble(plan.lora.b, pieces)
-        return [merge_lora(assemble(plan, pieces), a, b, plan.lora.scale)]
+        return list(merge_lora(assemble(plan, pieces), a, b, plan.lora.scale, plan.lora.fan_in_fan_out))
     whole_rows = all(
         piece.offset[1:] == (0,) * (len(plan.shape) - 1) and piece.shape[1:] == plan.shape[1:]
         for piece in plan.pieces

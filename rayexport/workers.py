@@ -13,9 +13,7 @@ import hashlib
 import logging
 import os
 import resource
-import shutil
 import socket
-import tempfile
 import time
 from typing import Any
 
@@ -23,21 +21,27 @@ import torch
 from huggingface_hub import StateDictSplit
 from tqdm import tqdm
 
-from rayexport import transport
+from rayexport import spool, transport
 from rayexport.dtypes import dtype_of
 from rayexport.errors import ExportError
 from rayexport.layouts.dcp import DcpCheckpoint, read_tensors
 from rayexport.layouts.hf import SafetensorsTensors
+from rayexport.layouts.mapped import mapped_ranges, release_pages
 from rayexport.layouts.shards import ShardInfo, describe_tensor, local_tensor
 from rayexport.layouts.verl import VerlCheckpoint, load_rank_state
-from rayexport.layouts.mapped import mapped_ranges, release_pages
+from rayexport.lora import merge_lora
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
 from rayexport.plan.schedule import TransferPlan
+from rayexport.scan import max_abs_difference
 from rayexport.storage import Store
 from rayexport.writer import WrittenFile, tensor_bytes, write_index, write_shards
 
 log = logging.getLogger(__name__)
+
+# A worker started without an export id (benchmarks/gpu_check.py, tests) makes one of its own,
+# as for an export this long from its deadline.
+STANDALONE_SPOOL_S = 86400.0
 
 
 def peak_rss_bytes() -> int:
@@ -96,13 +100,14 @@ def _node_id() -> str:
 class ExportWorker:
     """One member of the export's process group (a Ray actor)."""
 
-    def __init__(self, index: int, num_workers: int, log_level: str) -> None:
+    def __init__(self, index: int, num_workers: int, log_level: str, export_id: str | None = None) -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
         self.index = index
         self.num_workers = num_workers
         self.device = torch.device("cpu")  # the GPU under NCCL, once it joins the group
-        self.spool_dir = tempfile.mkdtemp(prefix=f"rayexport-worker{index}-")
+        self.spool_dir: str | None = None
+        self._begin_spool(export_id or spool.new_export_id(STANDALONE_SPOOL_S))
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.mapped: list[tuple[int, int]] = []
         self.rendezvous = None
@@ -177,30 +182,38 @@ class ExportWorker:
         return tensors.describe()
 
     def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
-        """Max |canonical - alias| over this worker's shards, per pair of source keys."""
-        differences = {}
+        """Max |canonical - alias| per pair of source keys, over the (pseudo-)ranks of this
+        worker that hold both; a pair this worker holds no such rank of is left out."""
+        differences: dict[tuple[str, str], float] = {}
         for pair in pairs:
-            worst = 0.0
             for rank, state in self.states.items():
                 if rank == BASE_MODEL_RANK or pair[0] not in state or pair[1] not in state:
                     continue
-                first, second = local_tensor(state[pair[0]]), local_tensor(state[pair[1]])
-                if first.shape != second.shape:
-                    worst = float("inf")
-                elif first.numel():
-                    worst = max(worst, (first.double() - second.double()).abs().max().item())
-            differences[pair] = worst
-        self.release_pages()
+                difference = max_abs_difference(local_tensor(state[pair[0]]), local_tensor(state[pair[1]]))
+                differences[pair] = max(differences.get(pair, 0.0), difference)
+                self.release_pages()
         return differences
 
-    def source_digests(self, requests: list[tuple[Piece, str]]) -> list[str]:
+    def source_digests(self, requests: list[tuple[Piece, str, tuple | None]]) -> list[str]:
         """sha256 of each requested piece as this worker read it, cast to its output dtype: the
-        verification's reference, taken before the data goes near the gather."""
+        verification's reference, taken before the data goes near the gather. A piece of a
+        LoRA-merged weight comes with its adapter, the arguments of `merge_lora` after W (A, B,
+        scale, fan_in_fan_out), and is merged here a block of rows at a time."""
         digests = []
-        for piece, dtype in requests:
-            digests.append(hashlib.sha256(tensor_bytes(self._local(piece).to(dtype_of(dtype)))).hexdigest())
+        for piece, dtype, adapter in requests:
+            values = self._local(piece)
+            digest = hashlib.sha256()
+            for chunk in [values] if adapter is None else merge_lora(values, *adapter, offset=piece.offset):
+                digest.update(tensor_bytes(chunk.to(dtype_of(dtype))))
+            digests.append(digest.hexdigest())
             self.release_pages()
         return digests
+
+    def read_pieces(self, pieces: list[Piece]) -> list[torch.Tensor]:
+        """Copies of pieces this worker holds (LoRA halves, for the verification's reference)."""
+        copies = [self._local(piece).clone() for piece in pieces]
+        self.release_pages()
+        return copies
 
     def transfer(
         self,
@@ -268,22 +281,37 @@ class ExportWorker:
         """Give back the pages of the mapped rank files read so far (they stay cached)."""
         release_pages(self.mapped)
 
-    def reset(self) -> None:
+    def reset(self, export_id: str | None = None) -> None:
         """Forget the last export (a pooled worker waiting for the next one): its tensors, mapped
-        files, counters and spooled files. The process group stays."""
+        files, counters and spooled files; given the next export's id, start that export's spool
+        folder. The process group stays."""
         self.states.clear()
         self.mapped = []
         self.bytes_read = 0
         self.resident_before_load = None
-        shutil.rmtree(self.spool_dir, ignore_errors=True)
-        os.makedirs(self.spool_dir)
+        self._drop_spool()
+        if export_id is not None:
+            self._begin_spool(export_id)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the staging slots' GPU memory, cached by torch's allocator
 
     def close(self) -> None:
         transport.leave_group()
         self.states.clear()
-        shutil.rmtree(self.spool_dir, ignore_errors=True)
+        self._drop_spool()
+
+    def _begin_spool(self, export_id: str) -> None:
+        """Sweep the spool folders on this node that dead workers or exports left, then make this
+        worker's folder for `export_id` (see rayexport.spool)."""
+        root = spool.spool_root()
+        for path in spool.sweep(root):
+            log.info("worker %d removed the stale spool folder %s", self.index, path)
+        self.spool_dir = spool.make_worker_folder(root, export_id, self.index)
+
+    def _drop_spool(self) -> None:
+        if self.spool_dir is not None:
+            spool.remove_worker_folder(self.spool_dir)
+            self.spool_dir = None
 
     def _local(self, piece: Piece) -> torch.Tensor:
         return piece_tensor(local_tensor(self.states[piece.rank][piece.source_key]), piece)

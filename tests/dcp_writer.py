@@ -38,6 +38,7 @@ class DcpJob:
     prefix: str = "model."
     with_optimizer: bool = False
     seed: int = 0
+    compiled: bool = False  # saved through torch.compile's wrapper: every key under `_orig_mod.`
 
 
 def write_dcp_checkpoints(
@@ -67,7 +68,7 @@ def write_dcp_checkpoints(
             torch.save(model.state_dict(), full_state)
             config_dir = os.path.join(scratch, f"config-{number}")
             write_hf_folder(job.config, config_dir)
-            rank_jobs.append((config_dir, full_state, job.out_dir, job.prefix, job.with_optimizer))
+            rank_jobs.append((config_dir, full_state, job.out_dir, job.prefix, job.with_optimizer, job.compiled))
         multiprocessing.spawn(
             _write_rank,
             args=(world_size, rank_jobs, os.path.join(scratch, "rendezvous")),
@@ -89,7 +90,7 @@ def _write_rank(rank, world_size, rank_jobs, rendezvous) -> None:
         dist.destroy_process_group()
 
 
-def _save_one(world_size, config_dir, full_state, out_dir, prefix, with_optimizer) -> None:
+def _save_one(world_size, config_dir, full_state, out_dir, prefix, with_optimizer, compiled) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -106,6 +107,8 @@ def _save_one(world_size, config_dir, full_state, out_dir, prefix, with_optimize
     for block in _transformer_blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if compiled:
+        model = torch.compile(model)  # compiles on the first call only; saving needs none
     optimizer_state = None
     if with_optimizer:
         # lr=0 gives Adam real moment tensors while leaving the weights bit-identical, so the

@@ -24,12 +24,18 @@ def dcp_checkpoints(tmp_path_factory, s3_endpoint):
     jobs = {
         "tied": DcpJob(tiny_config("qwen2-tied"), str(root / "tied"), prefix="model.", with_optimizer=True),
         "untied": DcpJob(tiny_config("llama-untied"), str(root / "untied"), prefix=""),
+        "compiled-untied": DcpJob(_untied(tiny_config("qwen2-tied")), str(root / "compiled-untied"), compiled=True),
     }
     written = write_dcp_checkpoints(list(jobs.values()), world_size=3)
     return {
         name: {"local": job.out_dir, "uri": upload(job.out_dir, f"s3://rayexport-tests/dcp/{name}"), "logits": logits}
         for (name, job), (logits, _) in zip(jobs.items(), written)
     }
+
+
+def _untied(config):
+    config.tie_word_embeddings = False
+    return config
 
 
 @pytest.mark.parametrize("name", ["tied", "untied"])
@@ -82,6 +88,19 @@ def test_dcp_keys_that_do_not_match_the_config(dcp_checkpoints, tmp_path):
     assert "rayexport: error:" in completed.stderr and "config" in completed.stderr.splitlines()[-1]
     assert not (tmp_path / "out" / "export_manifest.json").exists()
 
+
+
+def test_tied_copies_read_by_two_workers_are_still_compared(dcp_checkpoints, tmp_path):
+    """A torch.compile'd model saves every key under `_orig_mod.`; the embedding and the tied
+    head, the two largest tensors, go to different workers. The tie used to be missed there, the
+    pair skipped and taken as equal, and a head trained apart from the embedding dropped."""
+    source = shutil.copytree(dcp_checkpoints["compiled-untied"]["local"], tmp_path / "ckpt")
+    config = json.loads((source / "huggingface" / "config.json").read_text())
+    (source / "huggingface" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"), "--workers", "2", "--verify", "none")
+    assert completed.returncode == 1, completed.stderr[-2000:]
+    assert "tied tensors 'model.embed_tokens.weight' and 'lm_head.weight' differ" in completed.stderr
+    assert not (tmp_path / "out" / "export_manifest.json").exists()
 
 
 def accelerate_checkpoint(dcp_checkpoint: str, folder, models: int = 1):

@@ -44,6 +44,34 @@ def test_merge_equals_peft_merge_and_unload(lora_checkpoints, s3_lora, s3_prefix
     assert reloaded["shared"] is True
 
 
+@pytest.fixture(scope="module")
+def gpt2_lora(tmp_path_factory, s3_endpoint):
+    """A GPT-2 LoRA run over 3 ranks, with adapters on every Conv1D (weights stored (in, out);
+    attn.c_proj is square, so its shape cannot tell the orientation)."""
+    from transformers import GPT2Config
+
+    from rayexport.demo import write_verl_checkpoint
+
+    config = GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128, dtype="float32")
+    config.architectures = ["GPT2LMHeadModel"]
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_proj", "c_fc"]}
+    written = write_verl_checkpoint(config, str(tmp_path_factory.mktemp("gpt2") / "lora"), world_size=3, lora=lora)
+    return written, upload(written.path, "s3://rayexport-tests/lora/gpt2")
+
+
+def test_conv1d_merge_equals_peft_merge_and_unload(gpt2_lora, s3_prefix, tmp_path):
+    """GPT-2's Conv1D LoRA is merged in the layer's own orientation, and the export's full
+    verification, which recomputes each merged shard on the worker holding it, passes."""
+    written, src = gpt2_lora
+    local = export(src, s3_prefix, tmp_path, "--verify", "full")
+    assert_weights_equal(local, written.reference_state)
+    manifest = json.load(open(f"{local}/export_manifest.json"))
+    assert manifest["verification"]["passed"] is True
+    assert all(piece.get("lora") for piece in manifest["source_pieces"]["transformer.h.0.attn.c_proj.weight"])
+    reloaded = reload(local)
+    torch.testing.assert_close(reloaded["logits"], written.logits, rtol=1e-5, atol=1e-5)
+
+
 def test_adapter_mode_writes_a_peft_adapter_on_the_base(lora_checkpoints, s3_lora, s3_prefix, tmp_path):
     written = lora_checkpoints["lora"]
     local = export(s3_lora["lora"], s3_prefix, tmp_path, "--lora", "adapter")

@@ -1,6 +1,9 @@
 """Storage faults injected between rayexport and the S3 server (tests/fault_proxy.py), and a
 driver killed mid-export: transient faults are retried and change no byte; persistent ones end
-the run quickly with the object and operation named, and leave nothing that looks committed."""
+the run quickly with the object and operation named, and leave nothing that looks committed.
+A worker killed mid-export leaves none of the rank files spooled from S3 on the node's disk,
+and the next export sweeps what dead workers left there (never a live export's); the workers a
+test kills are found through its own Ray session, never by a process name."""
 
 from __future__ import annotations
 
@@ -8,13 +11,17 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
 import s3fs
 
 from fault_proxy import FaultProxy
-from helpers import BUCKET, run_main
+from helpers import BUCKET, export_worker_processes, run_main, upload
+from rayexport import spool
+from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
 from rayexport.errors import ExportError
 from rayexport.job import export
 from rayexport.manifest import MANIFEST_NAME
@@ -132,3 +139,111 @@ def test_a_killed_driver_leaves_no_committed_export(s3_checkpoints):
     # a re-run after the kill reuses nothing partial and commits a whole export
     assert run_main("--src", s3_checkpoints["tied"], "--dst", destination, "--workers", "2", "--verify", "quick").returncode == 0
     assert MANIFEST_NAME in _objects(destination)
+
+
+# --- a worker killed mid-export: its spooled rank files, and strangers' processes ------------
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def s3_synthetic(tmp_path_factory, s3_endpoint):
+    """A 64 MB world-size-2 checkpoint on S3: each worker spools a 32 MB rank file to its disk."""
+    config = sized_llama_config(64 * 10**6, hidden_size=512, vocab_size=2048, dtype="float32")
+    local = tmp_path_factory.mktemp("synthetic-s3") / "actor"
+    write_synthetic_checkpoint(config, str(local), world_size=2)
+    return upload(str(local), f"s3://{BUCKET}/checkpoints/synthetic")
+
+
+@pytest.fixture
+def stranger():
+    """A process outside this session's Ray that looks like a worker by name, as another
+    checkout's export or a benchmark on the same machine would."""
+    process = subprocess.Popen(["bash", "-c", 'exec -a "ray::ExportWorker" sleep 600'])
+    deadline = time.monotonic() + 10
+    while "ray::ExportWorker" not in _cmdline(process.pid):
+        assert time.monotonic() < deadline, "the stranger did not start"
+        time.sleep(0.05)
+    yield process
+    process.kill()
+    process.wait()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _spooled_files(pids: set[int]) -> dict[str, int]:
+    """The rank files these processes map from the temp folder (their spooled copies), with
+    their sizes."""
+    tmp = os.path.realpath(tempfile.gettempdir()) + os.sep
+    files = {}
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if path.startswith(tmp) and path.endswith(".pt"):
+                    files[path] = os.path.getsize(path)
+    return files
+
+
+def test_a_worker_killed_mid_export_leaves_no_spooled_files_and_no_stranger_is_touched(s3_synthetic, stranger, tmp_path):
+    destination = tmp_path / "out"
+    before = {process.pid for process in export_worker_processes()}
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            export(s3_synthetic, str(destination), workers=2, bucket_size=MiB // 4, max_shard_size="8MB", verify="none")
+        except ExportError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 180
+    while not list(destination.glob("model-00001-of-*.safetensors")):  # loaded; the gather is under way
+        assert thread.is_alive() and time.monotonic() < deadline, f"the export ended before a shard was written: {outcome}"
+        time.sleep(0.02)
+    listed = {process.pid for process in export_worker_processes()}
+    assert stranger.pid not in listed  # workers are found through this session's Ray, not by name
+    workers = listed - before
+    assert len(workers) == 2
+    spooled = _spooled_files(workers)
+    assert len(spooled) == 2 and min(spooled.values()) > 25 * MiB  # each worker's ~30 MB rank file
+    os.kill(max(workers), signal.SIGKILL)
+    thread.join(timeout=180)
+
+    assert "an export worker died" in str(outcome.get("error")), outcome
+    left = {path: size for path, size in spooled.items() if os.path.exists(path)}
+    assert not left, f"{sum(left.values())} bytes of spooled rank files left after the failed export: {sorted(left)}"
+    assert not any(os.path.exists(os.path.dirname(path)) for path in spooled)
+    assert stranger.poll() is None, "the test ended a process it did not start"
+
+
+def test_an_export_sweeps_the_spool_dead_workers_left_and_keeps_live_ones(checkpoints, stranger, tmp_path):
+    """Spool folders on this node: one whose worker is gone (its export's driver was killed), one
+    whose worker still runs (another export, here the stranger stands in for its worker)."""
+    root = spool.ensure_root(spool.spool_root())
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone_owner = spool.Owner(spool.pid_namespace(), gone.pid, spool.process_start(gone.pid))
+    gone.kill()
+    gone.wait()
+    live_owner = spool.Owner(spool.pid_namespace(), stranger.pid, spool.process_start(stranger.pid))
+    folders = {}
+    for name, owner in (("dead", gone_owner), ("live", live_owner)):
+        folders[name] = os.path.join(root, spool.new_export_id(3600), spool.worker_folder_name(0, owner))
+        os.makedirs(folders[name])
+        with open(os.path.join(folders[name], "model_world_size_3_rank_0.pt"), "wb") as handle:
+            handle.write(os.urandom(MiB))
+    try:
+        export(checkpoints["tied"].path, str(tmp_path / "out"), workers=2, verify="none")
+
+        assert not os.path.exists(os.path.dirname(folders["dead"]))
+        assert os.path.getsize(os.path.join(folders["live"], "model_world_size_3_rank_0.pt")) == MiB
+    finally:
+        for path in folders.values():
+            spool.remove_export(os.path.basename(os.path.dirname(path)), root)

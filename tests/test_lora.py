@@ -1,4 +1,4 @@
-"""LoRA key handling, settings and the merge, against peft's own merge."""
+"""LoRA key handling, settings, planning and the merge, against peft's own merge."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ import pytest
 import torch
 
 from rayexport.errors import ExportError
+from rayexport.layouts.shards import describe_tensor
 from rayexport.lora import (
-    LoraSettings, adapter_config, adapter_tensor_name, lora_settings, merge_lora, split_peft_names,
+    LoraSettings, adapter_config, adapter_tensor_name, fan_in_fan_out_weights, lora_settings, merge_lora,
+    split_peft_names,
 )
+from rayexport.model import expected_tensors
+from rayexport.plan.formats import IN_MEMORY, ModelFormats, Naming
+from rayexport.plan.naming import LoraRequest, plan_holdings
+from rayexport.plan.pieces import holders_from_ranks
+from rayexport.transport import output_chunks
 
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
 
@@ -65,31 +72,73 @@ def test_settings_come_from_meta_and_overrides_and_never_zero_alpha():
         lora_settings({"r": 8, "lora_alpha": 8}, 4, {})
 
 
+def conv1d(nf: int, nx: int) -> torch.nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D(nf, nx)  # GPT-2's layer: weight stored (in=nx, out=nf)
+
+
+LAYERS = {
+    "linear": lambda: torch.nn.Linear(16, 12),
+    "conv1d": lambda: conv1d(12, 16),
+    "conv1d-square": lambda: conv1d(16, 16),  # shapes alone cannot tell its orientation
+}
+
+
 @pytest.mark.parametrize("use_rslora", [False, True])
-def test_merge_equals_peft_merge_and_unload(use_rslora):
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_planned_merge_equals_peft_merge_and_unload(layer, use_rslora):
+    """The layer's weight, A and B sharded over two ranks, planned and merged as the exporter
+    does: A and B take the layer's own orientation (Conv1D stores W as (in, out), and peft
+    merges its delta transposed), and the result is peft's merge_and_unload."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    layer = torch.nn.Sequential()
-    layer.add_module("proj", torch.nn.Linear(16, 12))
-    model = get_peft_model(layer, LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], use_rslora=use_rslora))
+    base = torch.nn.Sequential()
+    base.add_module("proj", LAYERS[layer]())
+    expected, transposed = expected_tensors(base), fan_in_fan_out_weights(base)
+    assert transposed == (frozenset() if layer == "linear" else {"proj.weight"})
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], use_rslora=use_rslora))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_" in name:
                 parameter.normal_()
-    proj = model.base_model.model.proj
-    base, a, b = proj.base_layer.weight.clone(), proj.lora_A["default"].weight, proj.lora_B["default"].weight
-    settings = LoraSettings(r=4, alpha=8, use_rslora=use_rslora, task_type=None)
-    merged = merge_lora(base, a, b, settings.scale)
-    torch.testing.assert_close(merged, model.merge_and_unload().proj.weight, rtol=0, atol=1e-6)
+    # FSDP1-style rows, uneven (even ones read as replicas)
+    states = [{key: value.detach()[rows].clone() for key, value in model.state_dict().items()} for rows in (slice(0, 1), slice(1, None))]
+    holders = holders_from_ranks({rank: {key: describe_tensor(value, rank) for key, value in state.items()}
+                                  for rank, state in enumerate(states)})
+    request = LoraRequest(meta={"r": 4, "lora_alpha": 8, "use_rslora": use_rslora}, fan_in_fan_out=transposed)
+    planning = plan_holdings(holders, ModelFormats.same(Naming(expected)), IN_MEMORY, None, request)
+    (plan,) = [plan for plan in planning.tensors if plan.lora is not None]
+    merged = torch.cat(output_chunks(plan, {piece: states[piece.rank][piece.source_key] for piece in plan.all_pieces}))
+    torch.testing.assert_close(merged, model.merge_and_unload().proj.weight, rtol=1e-6, atol=1e-6)
 
 
-def test_merge_computes_in_float32_from_bfloat16():
-    base = torch.randn(8, 8).to(torch.bfloat16)
-    a, b = torch.randn(2, 8).to(torch.bfloat16), torch.randn(8, 2).to(torch.bfloat16)
-    merged = merge_lora(base, a, b, 0.5)
-    assert merged.dtype == torch.float32
-    torch.testing.assert_close(merged, base.float() + 0.5 * (b.float() @ a.float()))
+@pytest.mark.parametrize("fan_in_fan_out", [False, True])
+def test_a_box_of_the_weight_merges_bit_for_bit_as_in_the_whole(fan_in_fan_out):
+    """A worker holding one shard of W recomputes exactly the bytes the exporter wrote for it
+    (the verification's reference), whatever blocks either merge runs in."""
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(1100, 1000, generator=generator).to(torch.bfloat16)  # more than one block
+    out_features, in_features = base.shape[::-1] if fan_in_fan_out else base.shape
+    a, b = torch.randn(8, in_features, generator=generator), torch.randn(out_features, 8, generator=generator)
+    whole = torch.cat(list(merge_lora(base, a, b, 0.7, fan_in_fan_out)))
+    assert whole.dtype == torch.float32 and len(list(merge_lora(base, a, b, 0.7, fan_in_fan_out))) > 1
+    for rows, columns in ((slice(300, 777), slice(0, 1000)), (slice(1050, 1100), slice(250, 600)), (slice(5, 5), slice(0, 9))):
+        box = torch.cat(list(merge_lora(base[rows, columns], a, b, 0.7, fan_in_fan_out, (rows.start, columns.start))))
+        assert torch.equal(box, whole[rows, columns])
+    delta = b @ a
+    torch.testing.assert_close(whole, base.float() + 0.7 * (delta.T if fan_in_fan_out else delta), rtol=1e-5, atol=1e-4)
+
+
+def test_lora_on_a_weight_that_is_not_2d_is_refused_by_name():
+    module = "base_model.model.conv"
+    shapes = {f"{module}.base_layer.weight": (6, 3, 2, 2), f"{module}.lora_A.default.weight": (4, 3, 2, 2),
+              f"{module}.lora_B.default.weight": (6, 4, 1, 1)}
+    holders = holders_from_ranks({0: {key: describe_tensor(torch.zeros(shape), 0) for key, shape in shapes.items()}})
+    formats = ModelFormats.same(Naming({"conv.weight": ((6, 3, 2, 2), "float32")}))
+    with pytest.raises(ExportError, match="LoRA module 'conv' has a 4-D weight"):
+        plan_holdings(holders, formats, IN_MEMORY, None, LoraRequest(meta={"r": 4, "lora_alpha": 8}))
 
 
 def test_adapter_config_is_peft_loadable():

@@ -51,6 +51,15 @@ def test_plan_tensors_promotes_an_alias_whose_canonical_is_missing():
     assert planning.tied_key_pairs == []
 
 
+def test_plan_tensors_two_aliases_without_their_canonical_are_compared():
+    shared, encoder, decoder = "shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"
+    ranks = fsdp2_ranks({encoder: (10, 4), decoder: (10, 4), NORM: (4,)}, 2)
+    expected = expected_of({shared: (10, 4), encoder: (10, 4), decoder: (10, 4), NORM: (4,)})
+    planning = plan_tensors(ranks, expected, {encoder: shared, decoder: shared})
+    assert sorted(plan.name for plan in planning.tensors) == [NORM, shared]  # one copy written
+    assert planning.tied_key_pairs == [(encoder, decoder)]  # and the other compared with it
+
+
 def test_plan_tensors_tied_checkpoint_with_only_the_embedding():
     """BRIEF 1.3: no KeyError for lm_head.weight, nothing reported missing."""
     ranks = fsdp2_ranks({EMBED: (10, 4), NORM: (4,)}, 2)

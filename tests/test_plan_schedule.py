@@ -162,9 +162,26 @@ def test_assign_ranks_keeps_rank_zero_on_worker_zero(ranks, workers):
 def test_keep_ties_together_moves_the_alias_to_its_canonical_worker():
     from rayexport.plan.schedule import keep_ties_together
 
-    moved = keep_ties_together([[EMBED, "a"], [HEAD, "b"]], TIED)
+    moved = keep_ties_together([[EMBED, "a"], [HEAD, "b"]], TIED, {})
     assert moved == [[EMBED, "a", HEAD], ["b"]]
-    assert keep_ties_together([[EMBED, HEAD], ["b"]], TIED) == [[EMBED, HEAD], ["b"]]
+    assert keep_ties_together([[EMBED, HEAD], ["b"]], TIED, {}) == [[EMBED, HEAD], ["b"]]
+
+
+def test_keep_ties_together_matches_stored_keys_by_model_name():
+    """torch.compile saves `_orig_mod.` keys: the tie is still found, as the planning finds it."""
+    from rayexport.plan.schedule import keep_ties_together
+
+    embed, head = "_orig_mod." + EMBED, "_orig_mod." + HEAD
+    name_of = {embed: EMBED, head: HEAD, "b": "b"}
+    assert keep_ties_together([[head, "b"], [embed]], TIED, name_of) == [["b"], [head, embed]]
+
+
+def test_keep_ties_together_keeps_aliases_without_their_canonical_together():
+    from rayexport.plan.schedule import keep_ties_together
+
+    ties = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
+    moved = keep_ties_together([["encoder.embed_tokens.weight"], ["decoder.embed_tokens.weight", "b"]], ties, {})
+    assert moved == [["encoder.embed_tokens.weight", "decoder.embed_tokens.weight"], ["b"]]
 
 
 

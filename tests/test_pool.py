@@ -37,3 +37,30 @@ def test_a_warm_pool_reuses_its_workers_until_closed(checkpoints, ray_address, t
         time.sleep(0.2)
     assert not pids & _export_worker_pids()
     assert close_pool(POOL) == 0
+
+
+def test_a_failed_export_leaves_no_idle_group_in_its_pool(checkpoints, ray_address, tmp_path):
+    """The workers started and loaded the shards, then the export failed (a NaN weight under
+    --strict): they are removed, not handed to the next export."""
+    import glob
+    import shutil
+
+    import pytest
+    import torch
+    import torch.distributed.tensor  # noqa: F401 - DTensors in the rank files
+
+    from rayexport.errors import ExportError
+
+    source = shutil.copytree(checkpoints["tied"].path, tmp_path / "ckpt")
+    for path in glob.glob(f"{source}/model_world_size_*_rank_*.pt"):
+        state = torch.load(path, weights_only=True)
+        state["model.norm.weight"].to_local().fill_(float("nan"))
+        torch.save(state, path)
+    pool = "tests-failed"
+    try:
+        with pytest.raises(ExportError, match="model.norm.weight' holds NaN"):
+            export(str(source), str(tmp_path / "out"), workers=2, verify="none", pool=pool, strict=True)
+    finally:
+        idle = close_pool(pool)
+    assert idle == 0
+    assert not (tmp_path / "out" / "export_manifest.json").exists()

@@ -118,6 +118,26 @@ def test_resolve_only_canonical_present_needs_no_alias():
     assert resolution.dropped == [] and resolution.promoted == {} and resolution.to_compare == []
 
 
+SHARED, ENCODER, DECODER = "shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"
+T5_TIES = {ENCODER: SHARED, DECODER: SHARED}
+
+
+def test_resolve_two_aliases_without_their_canonical_keeps_one_and_compares_the_other():
+    """A three-name tie group (T5) saved without the canonical: the first alias is promoted,
+    the second is dropped only after its values are compared with it."""
+    resolution = resolve_tied_names([ENCODER, "lm_head.weight", DECODER], T5_TIES)
+    assert resolution.sources == {SHARED: ENCODER, "lm_head.weight": "lm_head.weight"}
+    assert resolution.promoted == {ENCODER: SHARED}
+    assert resolution.dropped == [DECODER]
+    assert resolution.to_compare == [(ENCODER, DECODER)]
+
+
+def test_resolve_all_three_names_compares_both_aliases_with_the_canonical():
+    resolution = resolve_tied_names([DECODER, SHARED, ENCODER], T5_TIES)
+    assert resolution.sources == {SHARED: SHARED}
+    assert sorted(resolution.to_compare) == [(SHARED, DECODER), (SHARED, ENCODER)]
+
+
 def test_resolve_without_aliases_is_identity():
     resolution = resolve_tied_names([EMBED, HEAD], {})
     assert resolution.sources == {EMBED: EMBED, HEAD: HEAD}

@@ -222,3 +222,67 @@ def test_the_reload_names_the_dtype_argument_the_installed_transformers_reads(mo
 
     monkeypatch.setattr(transformers, "__version__", version)
     assert auto_dtype() == {argument: "auto"}
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # square, LoRA-merged, in the quick sample
+
+
+@pytest.fixture(scope="module")
+def lora_committed(lora_checkpoints, ray_address, tmp_path_factory):
+    """One committed export of the LoRA checkpoint (q_proj and v_proj merged), in bfloat16."""
+    from rayexport import export
+
+    destination = str(tmp_path_factory.mktemp("verify-lora") / "export")
+    export(lora_checkpoints["lora"].path, destination, workers=2, verify="full")
+    return destination
+
+
+def rewrite_merged(folder, written, bug):
+    """Rewrite Q_PROJ as a merge gone wrong would have written it, recording its digests as a
+    consistent exporter would: the delta transposed, its scale doubled, or another layer's."""
+    import hashlib
+
+    from safetensors.torch import save
+
+    from rayexport.writer import tensor_bytes
+
+    def delta(module):
+        a, b = (written.adapter_state[f"base_model.model.{module}.lora_{which}.weight"] for which in "AB")
+        return 8 / 4 * (b @ a)  # lora_alpha / r
+
+    right = delta(Q_PROJ.removesuffix(".weight"))
+    wrong = {
+        "transposed": right.T, "scale": 2 * right, "other layer's adapter": delta("model.layers.1.self_attn.q_proj"),
+    }[bug]
+    tensors = load_file(f"{folder}/model.safetensors")
+    tensors[Q_PROJ] = (written.reference_state[Q_PROJ] - right + wrong).to(tensors[Q_PROJ].dtype)
+    rewrite_recorded(folder, "model.safetensors", save(tensors, metadata={"format": "pt"}))
+    manifest = manifest_of(folder)
+    manifest["tensors"][Q_PROJ]["sha256"] = hashlib.sha256(tensor_bytes(tensors[Q_PROJ])).hexdigest()
+    save_manifest(folder, manifest)
+
+
+@pytest.mark.parametrize("level", ["full", "quick"])
+@pytest.mark.parametrize("bug", ["transposed", "scale", "other layer's adapter"])
+def test_a_wrong_lora_merge_fails_fidelity(lora_committed, lora_checkpoints, tmp_path, bug, level):
+    """Each worker merges its own shard of the base weight with the adapter read from the
+    source, so a merge the exporter got wrong and recorded consistently still shows."""
+    from rayexport.verification import ExpectedExport
+
+    folder = str(shutil.copytree(lora_committed, tmp_path / "export"))
+    assert verify_uri(folder, level)["passed"]
+    assert Q_PROJ in ExpectedExport.from_manifest(manifest_of(folder), level).sample()
+    rewrite_merged(folder, lora_checkpoints["lora"], bug)
+    message = fails(folder, f"fidelity: tensor '{Q_PROJ}'", "merged with its LoRA adapter", level=level)
+    assert "\n" not in message
+
+
+def test_a_quick_sample_always_holds_a_lora_merged_tensor():
+    from rayexport.verification import QUICK_SAMPLE, ExpectedExport
+
+    names = [f"layers.{index}.weight" for index in range(3 * QUICK_SAMPLE)]
+    plain = ExpectedExport(files={}, tensors=dict.fromkeys(names, {}), level="quick").sample()
+    merged = sorted(set(names) - set(plain))[0]
+    pieces = {merged: [{"lora": True}], plain[0]: [{}]}
+    sample = ExpectedExport(files={}, tensors=dict.fromkeys(names, {}), pieces=pieces, level="quick").sample()
+    assert merged in sample and len(sample) == QUICK_SAMPLE and set(sample) - {merged} < set(plain)

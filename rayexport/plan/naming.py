@@ -6,6 +6,7 @@ and LoRA adapters matched to their weights, and each output's dtype chosen. Pure
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Iterable
 
 from rayexport.dtypes import SAFETENSORS_DTYPES, dtype_of, nbytes
 from rayexport.errors import ExportError
@@ -46,21 +47,25 @@ class TensorPlan:
 
 @dataclass(frozen=True)
 class LoraMerge:
-    """W + scale * B @ A, with A and B gathered alongside W."""
+    """W + scale * B @ A, with A and B gathered alongside W; with `fan_in_fan_out`, W is stored
+    (in, out) (transformers' Conv1D) and the delta is transposed."""
 
     a: TensorPlan
     b: TensorPlan
     scale: float
+    fan_in_fan_out: bool = False
 
 
 @dataclass(frozen=True)
 class LoraRequest:
     """What to do with LoRA adapters: `mode` merge|adapter|both, settings from the checkpoint's
-    `lora_train_meta.json` (`meta`) overridden by the user (`overrides`)."""
+    `lora_train_meta.json` (`meta`) overridden by the user (`overrides`); `fan_in_fan_out`:
+    the model's weights stored (in, out), by in-memory name (`lora.fan_in_fan_out_weights`)."""
 
     mode: str = "merge"
     meta: dict | None = None
     overrides: dict = field(default_factory=dict)
+    fan_in_fan_out: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -101,18 +106,8 @@ def plan_holdings(
     Floating tensors are written in `dtype` (None: each in its own).
     """
     lora = lora or LoraRequest()
-    source_key_of: dict[str, str] = {}
-    for key in holders:
-        name = normalize_key(key)
-        if name in source_key_of:
-            raise ExportError(f"keys '{source_key_of[name]}' and '{key}' both name tensor '{name}'")
-        source_key_of[name] = key
-    if is_peft_checkpoint(source_key_of):
-        model_names, targets = split_peft_names(source_key_of)
-    else:
-        model_names, targets = {name: name for name in source_key_of}, []
-    checkpoint_key = {name: source_key_of[normalized] for name, normalized in model_names.items()}
-    naming_kind = choose_naming(model_names or base_model or {}, formats)
+    checkpoint_key, source_key_of, targets = model_names(holders)
+    naming_kind = choose_naming(checkpoint_key or base_model or {}, formats)
     naming = formats.naming(naming_kind)
     expected = naming.expected
     aliases = {alias: canonical for alias, canonical in naming.aliases.items() if alias not in untied}
@@ -161,14 +156,20 @@ def plan_holdings(
             weight = f"{target.module}.weight"
             if weight not in plans:
                 raise ExportError(f"LoRA module '{target.module}' has no base weight '{weight}'")
-            out_features, in_features = plans[weight].shape
+            if len(plans[weight].shape) != 2:
+                raise ExportError(
+                    f"LoRA module '{target.module}' has a {len(plans[weight].shape)}-D weight; only LoRA on "
+                    f"Linear and Conv1D layers is merged exactly"
+                )
+            fan_in_fan_out = formats.memory_name(naming_kind, weight) in lora.fan_in_fan_out
+            out_features, in_features = plans[weight].shape[::-1] if fan_in_fan_out else plans[weight].shape
             halves = []
             for which, normalized, shape in (("A", target.a_name, (settings.r, in_features)),
                                              ("B", target.b_name, (out_features, settings.r))):
                 key = source_key_of[normalized]
                 halves.append(plan_for(adapter_tensor_name(target, which), key, shape, holders[key]))
             if lora.mode in ("merge", "both"):
-                plans[weight] = replace(plans[weight], lora=LoraMerge(halves[0], halves[1], settings.scale))
+                plans[weight] = replace(plans[weight], lora=LoraMerge(halves[0], halves[1], settings.scale, fan_in_fan_out))
             if lora.mode in ("adapter", "both"):
                 adapters.extend(halves)
     tied_key_pairs = [(checkpoint_key[canonical], checkpoint_key[alias]) for canonical, alias in resolution.to_compare]
@@ -180,6 +181,23 @@ def plan_holdings(
         tensors=tensors, adapters=adapters, resolution=resolution, tied_key_pairs=tied_key_pairs,
         lora=settings, lora_targets=targets, naming=naming_kind, format=output_format,
     )
+
+
+def model_names(keys: Iterable[str]) -> tuple[dict[str, str], dict[str, str], list[LoraTarget]]:
+    """What a checkpoint's source keys name: model name -> source key for the model's tensors
+    (wrapper components such as `_orig_mod.` removed, and PEFT's prefixes in a PEFT checkpoint),
+    normalised name -> source key for every key, and the LoRA targets (by normalised name)."""
+    source_key_of: dict[str, str] = {}
+    for key in keys:
+        name = normalize_key(key)
+        if name in source_key_of:
+            raise ExportError(f"keys '{source_key_of[name]}' and '{key}' both name tensor '{name}'")
+        source_key_of[name] = key
+    if is_peft_checkpoint(source_key_of):
+        names, targets = split_peft_names(source_key_of)
+    else:
+        names, targets = {name: name for name in source_key_of}, []
+    return {name: source_key_of[normalized] for name, normalized in names.items()}, source_key_of, targets
 
 
 def output_dtype(source_dtype: str, dtype: str | None) -> str:

@@ -83,15 +83,26 @@ def assign_ranks(ranks: list[int], num_workers: int) -> dict[int, int]:
     return {rank: position // per_worker for position, rank in enumerate(ranks)}
 
 
-def keep_ties_together(keys_by_worker: list[list[str]], aliases: dict[str, str]) -> list[list[str]]:
-    """Move each tied alias to the worker that reads its canonical tensor, so the two saved
-    copies can be compared where they are read (DCP stores both)."""
-    worker_of = {key: worker for worker, keys in enumerate(keys_by_worker) for key in keys}
-    moved = [list(keys) for keys in keys_by_worker]
-    for alias, canonical in aliases.items():
-        if alias in worker_of and canonical in worker_of and worker_of[alias] != worker_of[canonical]:
-            moved[worker_of[alias]].remove(alias)
-            moved[worker_of[canonical]].append(alias)
+def keep_ties_together(
+    keys_by_worker: list[list[str]], aliases: dict[str, str], name_of: dict[str, str]
+) -> list[list[str]]:
+    """Move every key of a tie group to one worker, that of the group's canonical tensor when
+    the checkpoint holds it, so the saved copies can be compared where they are read (DCP
+    stores each copy). Groups are matched on model names (`name_of`: source key -> model name,
+    e.g. without `_orig_mod.`), as the planning later matches them."""
+    group_of = {key: aliases.get(name_of.get(key, key), name_of.get(key, key)) for keys in keys_by_worker for key in keys}
+    worker_of_group: dict[str, int] = {}
+    for worker, keys in enumerate(keys_by_worker):
+        for key in keys:
+            if name_of.get(key, key) == group_of[key]:
+                worker_of_group[group_of[key]] = worker
+    for worker, keys in enumerate(keys_by_worker):
+        for key in keys:
+            worker_of_group.setdefault(group_of[key], worker)
+    moved: list[list[str]] = [[] for _ in keys_by_worker]
+    for keys in keys_by_worker:
+        for key in keys:
+            moved[worker_of_group[group_of[key]]].append(key)
     return moved
 
 
