@@ -103,13 +103,14 @@ def unmergeable_variant(name: str) -> str | None:
     return None
 
 
-def lora_settings(meta: dict[str, Any] | None, rank_of_a: int, overrides: dict[str, Any]) -> LoraSettings:
+def lora_settings(meta: dict[str, Any] | None, saved_rank: int, overrides: dict[str, Any]) -> LoraSettings:
     """r, alpha, rsLoRA and task type from `lora_train_meta.json`, overridden by the user's
-    options; r defaults to lora_A's first dimension. alpha is never guessed and never 0."""
+    options; r defaults to `saved_rank`, the rank the saved adapter has. alpha is never guessed
+    and never 0."""
     values = {**(meta or {}), **{key: value for key, value in overrides.items() if value is not None}}
-    r = int(values.get("r") or rank_of_a)
-    if r != rank_of_a:
-        raise ExportError(f"LoRA r is {r} but lora_A holds rank {rank_of_a}")
+    r = int(values.get("r") or saved_rank)
+    if r != saved_rank:
+        raise ExportError(f"LoRA r is {r} but the saved adapter has rank {saved_rank}")
     alpha = values.get("lora_alpha")
     if alpha is None:
         raise ExportError("LoRA checkpoint without lora_train_meta.json: pass --lora-alpha")

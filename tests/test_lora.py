@@ -68,7 +68,7 @@ def test_settings_come_from_meta_and_overrides_and_never_zero_alpha():
         lora_settings(None, 4, {})
     with pytest.raises(ExportError, match="lora_alpha is 0"):
         lora_settings({"r": 4, "lora_alpha": 0}, 4, {})
-    with pytest.raises(ExportError, match="r is 8 but lora_A holds rank 4"):
+    with pytest.raises(ExportError, match="r is 8 but the saved adapter has rank 4"):
         lora_settings({"r": 8, "lora_alpha": 8}, 4, {})
 
 
@@ -85,12 +85,15 @@ LAYERS = {
 }
 
 
+@pytest.mark.parametrize("first_rows", [1, 2], ids=["uneven-rows", "even-rows"])
 @pytest.mark.parametrize("use_rslora", [False, True])
 @pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_planned_merge_equals_peft_merge_and_unload(layer, use_rslora):
+def test_planned_merge_equals_peft_merge_and_unload(layer, use_rslora, first_rows):
     """The layer's weight, A and B sharded over two ranks, planned and merged as the exporter
     does: A and B take the layer's own orientation (Conv1D stores W as (in, out), and peft
-    merges its delta transposed), and the result is peft's merge_and_unload."""
+    merges its delta transposed), and the result is peft's merge_and_unload. r is not given:
+    it is read from the saved adapter, also where lora_A's plain row shards are equal (2 + 2
+    rows of r=4, which look like two replicas of a rank-2 A)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
@@ -103,11 +106,12 @@ def test_planned_merge_equals_peft_merge_and_unload(layer, use_rslora):
         for name, parameter in model.named_parameters():
             if "lora_" in name:
                 parameter.normal_()
-    # FSDP1-style rows, uneven (even ones read as replicas)
-    states = [{key: value.detach()[rows].clone() for key, value in model.state_dict().items()} for rows in (slice(0, 1), slice(1, None))]
+    # FSDP1-style plain row shards
+    parts = (slice(0, first_rows), slice(first_rows, None))
+    states = [{key: value.detach()[rows].clone() for key, value in model.state_dict().items()} for rows in parts]
     holders = holders_from_ranks({rank: {key: describe_tensor(value, rank) for key, value in state.items()}
                                   for rank, state in enumerate(states)})
-    request = LoraRequest(meta={"r": 4, "lora_alpha": 8, "use_rslora": use_rslora}, fan_in_fan_out=transposed)
+    request = LoraRequest(meta={"lora_alpha": 8, "use_rslora": use_rslora}, fan_in_fan_out=transposed)
     planning = plan_holdings(holders, ModelFormats.same(Naming(expected)), IN_MEMORY, None, request)
     (plan,) = [plan for plan in planning.tensors if plan.lora is not None]
     merged = torch.cat(output_chunks(plan, {piece: states[piece.rank][piece.source_key] for piece in plan.all_pieces}))

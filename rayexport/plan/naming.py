@@ -151,7 +151,7 @@ def plan_holdings(
 
     settings, adapters = None, []
     if targets:
-        settings = lora_settings(lora.meta, _rows(holders[source_key_of[targets[0].a_name]]), lora.overrides)
+        settings = lora_settings(lora.meta, _columns(holders[source_key_of[targets[0].b_name]]), lora.overrides)
         for target in targets:
             weight = f"{target.module}.weight"
             if weight not in plans:
@@ -225,10 +225,9 @@ def choose_dtype(requested: str, config_dtype: str | None) -> tuple[str, str]:
     )
 
 
-def _rows(infos: dict[int, ShardInfo]) -> int:
-    """The first dimension of a tensor spread over ranks (a LoRA A's rank r)."""
+def _columns(infos: dict[int, ShardInfo]) -> int:
+    """The second dimension of a 2-D tensor spread over ranks (a LoRA B's rank r): FSDP shards
+    rows, so every rank's part holds the columns whole, whether or not it is a DTensor (equal
+    plain row shards of lora_A cannot tell a replica from a shard; lora_B's columns can)."""
     first = next(iter(infos.values()))
-    if first.global_shape is not None:
-        return first.global_shape[0]
-    shapes = {info.local_shape for info in infos.values()}
-    return first.local_shape[0] if len(shapes) == 1 else sum(info.local_shape[0] for info in infos.values())
+    return (first.global_shape or first.local_shape)[1]
