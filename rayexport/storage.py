@@ -110,14 +110,16 @@ class Store:
 
     def _entries(self, name: str, kind: str) -> list[str]:
         path = self.path(name)
-        try:
+
+        def entries() -> list[dict]:
             self.fs.invalidate_cache(path)
-            entries = self.fs.ls(path, detail=True)
-        except FileNotFoundError:
-            return []
-        except Exception as error:  # noqa: BLE001 - storage clients raise many types
-            raise ExportError(f"cannot list '{self.display(name)}': {one_line(error)}") from None
-        return sorted(posixpath.basename(entry["name"].rstrip("/")) for entry in entries if entry.get("type") == kind)
+            try:
+                return self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+
+        listed = self._call("list", name, entries)
+        return sorted(posixpath.basename(entry["name"].rstrip("/")) for entry in listed if entry.get("type") == kind)
 
     def size(self, name: str) -> int:
         return self._call("stat", name, self.fs.size, self.path(name))
