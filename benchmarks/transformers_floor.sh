@@ -43,7 +43,7 @@ passed = report["verification"]["passed"] and reload.get("dtype") == "bfloat16" 
 print(
     f"transformers_floor: {'PASS' if passed else 'FAIL'} transformers={transformers.__version__} "
     f"torch={torch.__version__} verified={report['verification']['level']} reload_dtype={reload.get('dtype')} "
-    f"tokenizer={reload.get('tokenizer')} reload_peak_mib={round(reload.get('peak_rss_bytes', 0) / 2**20)} "
+    f"tokenizer={reload.get('tokenizer')} reload_peak_mib={peak.get('reload')} "
     f"actor_peak_mib={peak} verify_s={report['seconds']['verify']} install_s={sys.argv[2]} export_s={sys.argv[3]}"
 )
 sys.exit(0 if passed else 1)

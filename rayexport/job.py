@@ -131,6 +131,8 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
     )
     with _stage(seconds, "verify"):
         verification = group_type.verify(destination, expected, options, job_deadline)
+    # a measurement, not a property of the export: the report has it, the manifest does not
+    reload_peak = verification.get("checks", {}).get("reload", {}).pop("peak_rss_bytes", None)
     manifest = build_manifest(
         source=source.uri,
         layout=checkpoint.layout,
@@ -164,6 +166,7 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         peak_rss_bytes={
             "driver": peak_rss_bytes(),
             **{f"worker{stats['worker']}": stats["peak_rss_bytes"] for stats in worker_stats},
+            **({"reload": reload_peak} if reload_peak is not None else {}),
         },
         working_memory_bytes={f"worker{stats['worker']}": stats["working_memory_bytes"] for stats in worker_stats},
         peak_gpu_bytes={
