@@ -21,7 +21,7 @@ from rayexport.options import ExportOptions
 from rayexport.placement import Devices, choose_devices, missing_resources
 from rayexport.plan.naming import TensorPlan, TensorPlanning, model_names
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, holders_from_ranks, needed_ranks
-from rayexport.plan.schedule import TransferPlan, assign_ranks, keep_ties_together
+from rayexport.plan.schedule import TransferPlan, assign_ranks, group_by_bytes, keep_ties_together
 from rayexport.pool import IdleGroup, get_keeper, group_shape
 from rayexport.storage import Store
 from rayexport.transport import assemble
@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 
 # How long a failed export waits for the tasks that remove its spooled files on each node.
 SPOOL_CLEANUP_S = 30.0
+# The LoRA halves the driver holds at once while the workers record merged pieces' digests.
+LORA_REFERENCE_BYTES = 64 << 20
+
+
+def _adapter_bytes(plan: TensorPlan) -> int:
+    """The bytes of a LoRA-merged weight's A and B, as saved."""
+    return sum(nbytes(half.shape, half.source_dtype) for half in (plan.lora.a, plan.lora.b))
 
 
 def _bundle_text(bundle: dict[str, float]) -> str:
@@ -320,7 +327,8 @@ class WorkerGroup:
         holders, never from the gather, at most LORA_REFERENCE_BYTES of them at a time."""
         plans = planning.tensors + planning.adapters
         pieces = self._piece_digests([(plan, None) for plan in plans if plan.lora is None], worker_of_rank)
-        for batch in lora_batches([plan for plan in plans if plan.lora is not None], LORA_REFERENCE_BYTES):
+        merged = [plan for plan in plans if plan.lora is not None]
+        for batch in group_by_bytes(merged, _adapter_bytes, LORA_REFERENCE_BYTES):
             halves = [half for plan in batch for half in (plan.lora.a, plan.lora.b)]
             read = self._read_pieces([piece for half in halves for piece in half.pieces], worker_of_rank)
             adapters = [
@@ -438,22 +446,3 @@ class WorkerGroup:
 
     def _get(self, references: list) -> list:
         return _get(references, step_limit(self.options, self.job_deadline), on_failure=lambda: self.shutdown(graceful=False))
-
-
-# The LoRA halves the driver holds at once while the workers record merged pieces' digests.
-LORA_REFERENCE_BYTES = 64 << 20
-
-
-def lora_batches(plans: list[TensorPlan], budget: int) -> list[list[TensorPlan]]:
-    """LoRA-merged plans in consecutive batches whose A and B take at most `budget` bytes
-    together (or one plan, when its own halves take more)."""
-    batches: list[list[TensorPlan]] = []
-    size = 0
-    for plan in plans:
-        halves = sum(nbytes(half.shape, half.source_dtype) for half in (plan.lora.a, plan.lora.b))
-        if not batches or size + halves > budget:
-            batches.append([])
-            size = 0
-        batches[-1].append(plan)
-        size += halves
-    return batches

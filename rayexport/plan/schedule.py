@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from huggingface_hub import StateDictSplit, split_state_dict_into_shards_factory
 from huggingface_hub.constants import SAFETENSORS_WEIGHTS_FILE_PATTERN
@@ -15,6 +16,8 @@ from huggingface_hub.constants import SAFETENSORS_WEIGHTS_FILE_PATTERN
 from rayexport.dtypes import SAFETENSORS_ORDER
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
+
+T = TypeVar("T")
 
 # Packed buffers keep every piece at an offset that any dtype can be viewed at.
 PACK_ALIGNMENT = 16
@@ -119,6 +122,21 @@ def assign_writers(files: list[ShardFile], plans: dict[str, TensorPlan], writers
     return writer_of
 
 
+def group_by_bytes(items: list[T], size_of: Callable[[T], int], budget: int) -> list[list[T]]:
+    """`items` in order, cut into consecutive groups of at most `budget` bytes by `size_of`
+    (an item larger than `budget` makes a group of its own)."""
+    groups: list[list[T]] = []
+    size = 0
+    for item in items:
+        item_size = size_of(item)
+        if not groups or size + item_size > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item_size
+    return groups
+
+
 def plan_buckets(
     tensors_in_order: list[TensorPlan],
     worker_of_rank: dict[int, int],
@@ -128,17 +146,8 @@ def plan_buckets(
 ) -> list[Bucket]:
     """Group output tensors, in write order, into buckets of at most `bucket_size` gathered
     bytes (a larger tensor travels alone), each gathered to `writer` in one step."""
-    groups: list[list[TensorPlan]] = []
-    size = 0
-    for plan in tensors_in_order:
-        nbytes = sum(piece.nbytes for piece in plan.all_pieces)
-        if not groups or (size + nbytes > bucket_size and groups[-1]):
-            groups.append([])
-            size = 0
-        groups[-1].append(plan)
-        size += nbytes
     buckets = []
-    for group in groups:
+    for group in group_by_bytes(tensors_in_order, lambda plan: sum(piece.nbytes for piece in plan.all_pieces), bucket_size):
         sends: list[list[Piece]] = [[] for _ in range(num_workers)]
         for plan in group:
             for piece in plan.all_pieces:
