@@ -10,8 +10,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,13 +18,11 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE
 
 from rayexport.dtypes import SAFETENSORS_DTYPES, TORCH_NAME_OF_CODE, nbytes
 from rayexport.errors import ExportError
-from rayexport.lora import ADAPTER_DIR, ADAPTER_WEIGHTS
+from rayexport.lora import ADAPTER_WEIGHTS
 from rayexport.plan.formats import ON_DISK
 from rayexport.storage import Store
 
 SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-# Variables that carry storage credentials; never passed to the process that imports remote code.
-SECRET_ENV = re.compile(r"^(AWS_|GOOGLE_|AZURE_|GCS_|S3_|HF_TOKEN|HUGGING_FACE_HUB_TOKEN)")
 
 
 class VerificationError(ExportError):
@@ -226,47 +222,11 @@ def check_fidelity(local_dir: str, expected: ExpectedExport) -> dict[str, Any]:
     return {"pieces_checked": checked}
 
 
-def check_reload(local_dir: str, expected: ExpectedExport, timeout_s: float) -> dict[str, Any]:
-    """transformers loads the export in a clean process: no missing or unexpected keys, tied
-    tensors share memory, a forward pass gives finite logits, peft loads the adapter and
-    AutoTokenizer the tokenizer. With `quick`, only the keys and shapes are compared with the
-    model built on the meta device (the tokenizer still loads)."""
-    env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
-    with tempfile.TemporaryDirectory(prefix="rayexport-modules-") as modules:
-        env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        command = [sys.executable, "-m", "rayexport.reload_check", local_dir]
-        command += ["--trust-remote-code"] if expected.trust_remote_code else []
-        command += ["--keys-only", "--format", expected.format] if expected.level == "quick" else []
-        for canonical, alias in expected.tied:
-            command += ["--tied", f"{canonical}={alias}"]
-        command += ["--adapter", os.path.join(local_dir, ADAPTER_DIR)] if expected.adapter and expected.level != "quick" else []
-        try:
-            completed = subprocess.run(
-                command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=modules
-            )
-        except subprocess.TimeoutExpired:
-            raise VerificationError(f"reload: transformers did not load the export in {timeout_s:.0f} s") from None
-    if completed.returncode != 0:
-        lines = [line for line in completed.stderr.strip().splitlines() if line.strip()]
-        raise VerificationError(f"reload: transformers cannot load the export: {lines[-1] if lines else 'no output'}")
-    result = json.loads(completed.stdout.strip().splitlines()[-1])
-    for field_name in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        if result[field_name]:
-            raise VerificationError(f"reload: {field_name.replace('_', ' ')} {result[field_name][:3]}")
-    if result["untied"]:
-        raise VerificationError(f"reload: tied tensors do not share memory: {result['untied'][0]}")
-    if result["logits_finite"] is False and expected.source_finite:
-        raise VerificationError("reload: the forward pass gives non-finite logits")
-    if result.get("adapter_missing"):
-        raise VerificationError(f"reload: peft did not load adapter tensor '{result['adapter_missing'][0]}'")
-    if result.get("tokenizer_error"):
-        raise VerificationError(f"reload: {result['tokenizer_error']}")
-    return result
-
-
 def verify_export(dst: Store, expected: ExpectedExport, timeout_s: float) -> dict[str, Any]:
     """Run every check on the export at `dst`; raise VerificationError on the first failure,
     else return each check's numbers."""
+    from rayexport.reload_check import check_reload
+
     with tempfile.TemporaryDirectory(prefix="rayexport-verify-") as scratch:
         local_dir = dst.path() if dst.is_local else _download_all(dst, scratch)
         checks = {
