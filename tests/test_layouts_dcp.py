@@ -1,9 +1,11 @@
 """The DCP layout against real `torch.distributed.checkpoint.save` output of FSDP2 gloo ranks:
-metadata, model-prefix detection, work assignment, and reading tensors locally and from S3."""
+metadata, model-prefix detection, work assignment, reading tensors locally and from S3 into a
+worker's spool file, and a worker's memory while it exports its share."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pickle
 import shutil
@@ -11,19 +13,32 @@ import uuid
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
-from dcp_writer import DcpJob, write_dcp_checkpoints
+from dcp_writer import DcpJob, write_dcp_checkpoint, write_dcp_checkpoints
 from helpers import BUCKET, upload
+from rayexport.demo import sized_llama_config
 from rayexport.errors import ExportError
+from rayexport.job import export
 from rayexport.layouts.dcp import (
     DCP_METADATA,
+    _chunk_is_finite,
     assign_tensors,
     find_dcp_checkpoint,
     is_dcp_checkpoint,
     read_tensors,
+    spool_offsets,
 )
+from rayexport.layouts.shards import ShardInfo
+from rayexport.scan import CHUNK_ELEMENTS
 from rayexport.storage import Store
+
+MiB = 2**20
+BUCKET_SIZE = 8 * MiB
+# As tests/test_workers.py allows a worker reading verl rank files: allocator slack, the writer
+# thread's arena, Python objects.
+HEADROOM = 40 * MiB
 
 # name -> (tiny config, prefix, with optimizer)
 VARIANTS = {
@@ -185,12 +200,42 @@ def test_read_tensors_from_s3(written, s3_endpoint, tmp_path):
         assert sorted(tensors) == sorted(keys)
         for key in keys:
             assert torch.equal(tensors[key], written[name].reference[key]), key
-    assert os.listdir(tmp_path) == []
+        # only these tensors were spooled, not the rank files that hold them
+        assert os.path.getsize(tensors.path) == spool_offsets([checkpoint.tensors[key] for key in keys])[1]
+    assert len(os.listdir(tmp_path)) == 2
     missing = Store(f"{root}/absent", {"endpoint_url": s3_endpoint})
     assert not is_dcp_checkpoint(missing)
     with pytest.raises(ExportError) as error:
         find_dcp_checkpoint(missing)
     assert_one_line_naming(error, missing.uri)
+
+
+def test_a_remote_share_fetches_only_its_chunks(written, s3_endpoint, tmp_path, monkeypatch):
+    """One ranged request per chunk: read through fsspec's read-ahead cache, a worker fetches
+    whole blocks of 50 MiB, here whole rank files, most of it other workers' tensors."""
+    import s3fs
+
+    uri = upload(written["flat"].path, f"s3://{BUCKET}/dcp-{uuid.uuid4().hex[:8]}")
+    fetched = []
+    call_s3 = s3fs.S3FileSystem._call_s3
+
+    async def counting(self, method, *args, **kwargs):
+        response = await call_s3(self, method, *args, **kwargs)
+        if method == "get_object" and kwargs["Key"].endswith(".distcp"):
+            fetched.append(response["ContentLength"])
+        return response
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counting)
+    store = Store(uri, {"endpoint_url": s3_endpoint})
+    checkpoint = find_dcp_checkpoint(store)
+    fetched.clear()
+    keys = ["model.norm.weight", "model.embed_tokens.weight"]
+    tensors = read_tensors(store, checkpoint, keys, str(tmp_path))
+    assert all(torch.equal(tensors[key], written["flat"].reference[key]) for key in keys)
+    chunks = sum(len(stored_entries(written["flat"].path)[checkpoint.tensors[key].key].chunks) for key in keys)
+    assert len(fetched) == chunks == 6
+    # each chunk's bytes, plus the few KiB that frame a tensor that torch.save wrote
+    assert sum(fetched) < sum(checkpoint.tensors[key].nbytes for key in keys) + chunks * 4096
 
 
 def test_missing_metadata_is_an_export_error(written, tmp_path):
@@ -253,3 +298,79 @@ def test_missing_rank_file_or_unknown_key_is_an_export_error(written, tmp_path):
     with pytest.raises(ExportError, match="no tensor 'optim.state'") as error:
         read_tensors(store, checkpoint, ["optim.state"], str(tmp_path))
     assert_one_line_naming(error, folder)
+
+
+def test_spooled_tensors_are_mapped_and_checked_for_nan_and_inf(written, tmp_path):
+    """Each tensor is checked as its chunks land in the spool: a NaN in one rank's chunk marks
+    that tensor alone."""
+    folder = copy_checkpoint(written["flat"].path, tmp_path / "ckpt")
+    store = Store(folder)
+    checkpoint = find_dcp_checkpoint(store)
+    keys = ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"]
+    embedding = written["flat"].reference["model.embed_tokens.weight"]
+    tensors = read_tensors(store, checkpoint, keys, str(tmp_path))
+    assert tensors.mapped_ranges() and os.path.dirname(tensors.path) == str(tmp_path)
+    assert tensors.describe()["model.embed_tokens.weight"] == ShardInfo(tuple(embedding.shape), "float32")
+
+    # rank 2 holds rows 668 on (see above); a value's bytes occur once in its file
+    rank_file = os.path.join(folder, "__2_0.distcp")
+    with open(rank_file, "rb") as handle:
+        data = handle.read()
+    value = embedding[700, 3].numpy().tobytes()
+    assert data.count(value) == 1
+    with open(rank_file, "wb") as handle:
+        handle.write(data.replace(value, torch.tensor(float("nan")).numpy().tobytes()))
+    described = read_tensors(store, checkpoint, keys, str(tmp_path)).describe()
+    assert {key: info.finite for key, info in described.items()} == {
+        "model.norm.weight": True, "model.embed_tokens.weight": False, "lm_head.weight": True,
+    }
+
+
+def test_a_strided_chunk_is_checked_a_block_of_rows_at_a_time():
+    """A chunk that is not whole rows (a tensor-parallel column shard) lands in a strided region."""
+    tensor = torch.zeros(64, 2 * CHUNK_ELEMENTS // 64)
+    tensor[63, 1] = float("inf")
+    assert _chunk_is_finite(tensor[:, CHUNK_ELEMENTS // 64:])
+    assert not _chunk_is_finite(tensor[:, :2])
+    assert not _chunk_is_finite(tensor[:, :CHUNK_ELEMENTS // 64 + 1])
+
+
+@pytest.fixture(scope="module")
+def sized(tmp_path_factory):
+    """A 160 MB float32 DCP checkpoint saved by 2 FSDP2 gloo ranks, and its tensors."""
+    config = sized_llama_config(160 * 10**6, hidden_size=512, vocab_size=2048, dtype="float32")
+    path = str(tmp_path_factory.mktemp("sized") / "dcp")
+    _, reference = write_dcp_checkpoint(config, path, world_size=2, prefix="")
+    return path, reference
+
+
+def test_a_worker_holds_the_transfer_window_not_its_share(sized, tmp_path, ray_address):
+    """As for verl input: a worker's memory stays at two buckets plus a chunk or so, whatever the
+    share of the model it reads and sends."""
+    path, reference = sized
+    checkpoint = find_dcp_checkpoint(Store(path))
+    shares = [sum(checkpoint.tensors[key].nbytes for key in keys) for keys in assign_tensors(checkpoint, 2)]
+    entries = stored_entries(path)
+    largest_chunk = max(
+        math.prod(chunk.sizes) * entries[tensor.key].properties.dtype.itemsize
+        for tensor in checkpoint.tensors.values() for chunk in entries[tensor.key].chunks
+    )
+    bound = 2 * BUCKET_SIZE + largest_chunk + HEADROOM
+    assert min(shares) > bound  # each worker reads more than the bound
+    # a DCP worker sends whole tensors, and one larger than a bucket travels alone
+    assert max(tensor.nbytes for tensor in checkpoint.tensors.values()) <= BUCKET_SIZE
+
+    report = export(
+        path, str(tmp_path / "out"), workers=2, writers=2, bucket_size=BUCKET_SIZE, max_shard_size="32MB",
+        verify="none", dtype="float32",
+    )
+
+    for worker, growth in report.working_memory_bytes.items():
+        assert growth is not None and growth <= bound, f"{worker} grew {growth / MiB:.0f} MiB"
+    exported = {}
+    for name in os.listdir(tmp_path / "out"):
+        if name.endswith(".safetensors"):
+            with safe_open(str(tmp_path / "out" / name), framework="pt") as handle:
+                exported.update((key, handle.get_tensor(key)) for key in handle.keys())
+    assert exported.keys() == reference.keys()
+    assert all(torch.equal(exported[key], reference[key]) for key in reference)

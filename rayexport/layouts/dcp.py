@@ -4,8 +4,9 @@ FSDP2 training loops, torchtitan, accelerate and `torch.distributed.checkpoint.s
 Everything goes through torch's own DCP machinery: its storage reader parses `.metadata` (every
 key's global shape, dtype and chunks), and `torch.distributed.checkpoint.load` without a process
 group fills whole tensors from whichever chunks of whichever rank files hold them. A remote
-checkpoint is read in place with torch's fsspec reader, which fetches only the byte ranges of the
-requested chunks.
+checkpoint is read in place with torch's fsspec reader, one ranged request per chunk. A worker's
+tensors land, a chunk at a time, in one local spool file it memory-maps, so that its memory stays
+at about a chunk while it reads, and at the transfer window after.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from __future__ import annotations
 import heapq
 import io
 import math
+import mmap
 import os
 import pickle
 import re
+import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import fsspec
 import torch
@@ -30,9 +35,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from rayexport.dtypes import dtype_name, dtype_of
 from rayexport.errors import ExportError, one_line
+from rayexport.layouts.mapped import mapped_ranges, release_pages
+from rayexport.layouts.shards import ShardInfo
+from rayexport.scan import CHUNK_ELEMENTS, is_finite
 from rayexport.storage import Store
 
 DCP_METADATA = ".metadata"
+# Where tensors start in a worker's spool file: a multiple of every dtype's size.
+SPOOL_ALIGNMENT = 64
 _DISTCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 # accelerate's `save_state` (and transformers' Trainer and TRL under FSDP's sharded state dict)
@@ -146,13 +156,17 @@ def assign_tensors(checkpoint: DcpCheckpoint, num_workers: int) -> list[list[str
 
 def read_tensors(
     store: Store, checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str, *, unsafe_pickle: bool = False
-) -> dict[str, torch.Tensor]:
-    """Read the whole tensors `keys` (model keys) in this process, keyed by model key.
+) -> SpooledTensors:
+    """Read the whole tensors `keys` (model keys) into one local file in `spool_dir`, memory-mapped;
+    return them keyed by model key, with whether each is finite.
 
     `torch.distributed.checkpoint.load` runs without a process group and reads only the chunks
-    of these tensors, from local files or, for a remote store, by byte ranges through torch's
-    fsspec reader. So nothing is spooled and `spool_dir` is unused: every FSDP rank file holds a
-    slice of every tensor, so spooling files would copy the whole checkpoint to each worker.
+    of these tensors, from local files or, for a remote store, with one ranged request each.
+    Each chunk is copied straight into its place in the mapped spool file, checked for NaN and
+    Inf, and its pages given back, so this process holds about one chunk at a time, not its share
+    of the model; the spool is also a snapshot, which later passes read rather than the source.
+    Whole rank files are never spooled: every FSDP rank file holds a slice of every tensor, so
+    that would copy the whole checkpoint to each worker.
     Tensor data is loaded with torch's weights-only unpickler; `unsafe_pickle` is
     `find_dcp_checkpoint`'s, for `.metadata`.
     """
@@ -160,28 +174,143 @@ def read_tensors(
     if unknown:
         raise ExportError(f"no tensor '{unknown[0]}' in DCP checkpoint '{store.uri}'")
     if not keys:
-        return {}
+        return SpooledTensors({}, {}, None)
     metadata = _read_metadata(store, unsafe_pickle)
-    state: dict[str, torch.Tensor] = {}
     for key in keys:
         expected = checkpoint.tensors[key]
         entry = metadata.state_dict_metadata.get(expected.key)
         if not isinstance(entry, TensorStorageMetadata) or _describe(store, expected.key, entry) != expected:
             raise ExportError(f"tensor '{expected.key}' of DCP checkpoint '{store.uri}' changed since it was listed")
-        state[expected.key] = torch.empty(expected.shape, dtype=dtype_of(expected.dtype))
+    wanted = [checkpoint.tensors[key] for key in keys]
+    offsets, size = spool_offsets(wanted)
+    path = _new_spool_file(spool_dir, size, store.uri)
+    try:
+        spool = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        state = {tensor.key: _view(spool, offset, tensor) for tensor, offset in zip(wanted, offsets)}
+        finite = {tensor.key: True for tensor in wanted}
+        _load_into(store, metadata, state, finite)
+    except BaseException:
+        os.remove(path)
+        raise
+    return SpooledTensors(
+        {key: state[tensor.key] for key, tensor in zip(keys, wanted)},
+        {key: finite[tensor.key] for key, tensor in zip(keys, wanted)},
+        path,
+    )
+
+
+class SpooledTensors(Mapping):
+    """A worker's share of a DCP checkpoint: whole tensors by model key, views of one spool file
+    mapped into this process (read from disk only when touched), and whether each is finite."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], finite: dict[str, bool], path: str | None) -> None:
+        self.tensors = tensors
+        self.finite = finite
+        self.path = path  # None when it holds nothing
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def describe(self) -> dict[str, ShardInfo]:
+        """Every tensor as a plain, whole tensor, with the finiteness found while reading it."""
+        return {
+            key: ShardInfo(local_shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype), finite=self.finite[key])
+            for key, tensor in self.tensors.items()
+        }
+
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        """The address ranges of the spool file's mapping, for `release_pages`."""
+        return mapped_ranges(self.path) if self.path else []
+
+
+def spool_offsets(tensors: list[DcpTensor]) -> tuple[list[int], int]:
+    """Where each tensor starts in a spool file, each aligned for any dtype, and the file's size
+    (never 0, which `posix_fallocate` refuses)."""
+    offsets, position = [], 0
+    for tensor in tensors:
+        offsets.append(position)
+        position += -(-tensor.nbytes // SPOOL_ALIGNMENT) * SPOOL_ALIGNMENT
+    return offsets, max(position, SPOOL_ALIGNMENT)
+
+
+def _new_spool_file(spool_dir: str, size: int, uri: str) -> str:
+    """A new file of `size` bytes in `spool_dir`, its blocks allocated now where the OS can
+    (Linux): a full disk is an error here, not a SIGBUS when a write through the mapping finds no
+    block."""
+    handle, path = tempfile.mkstemp(prefix="dcp-", suffix=".tensors", dir=spool_dir)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(handle, 0, size)
+        else:
+            os.ftruncate(handle, size)
+    except OSError as error:
+        os.remove(path)
+        raise ExportError(
+            f"cannot make a {size}-byte spool file in '{spool_dir}' for DCP checkpoint '{uri}': {_reason(error)}"
+        ) from None
+    finally:
+        os.close(handle)
+    return path
+
+
+def _view(spool: torch.Tensor, offset: int, tensor: DcpTensor) -> torch.Tensor:
+    data = spool[offset:offset + tensor.nbytes]
+    return data.view(dtype_of(tensor.dtype)).reshape(tensor.shape)
+
+
+def _load_into(store: Store, metadata: Metadata, state: dict[str, torch.Tensor], finite: dict[str, bool]) -> None:
+    """Fill `state` (stored keys to views of the spool) with one `load`, chunk by chunk; clear
+    `finite[key]` when a chunk of `key` holds NaN or Inf."""
+
+    def landed(key: str, chunk: torch.Tensor) -> None:
+        finite[key] = finite[key] and _chunk_is_finite(chunk)
+        release_pages([_page_span(state[key])])
+
     try:
         with warnings.catch_warnings():
             # load() warns that it assumes a single process when no process group exists: intended.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             reader = _reader(store, metadata)
-            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=_WatchingPlanner(landed), no_dist=True)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - torch and storage clients raise many types
         error = _unwrap(error)
         if isinstance(error, FileNotFoundError):
             missing = os.path.basename(str(error.filename or error.args[-1]))
             raise ExportError(f"DCP checkpoint '{store.uri}' is missing '{missing}'") from None
         raise ExportError(f"cannot read DCP checkpoint '{store.uri}': {_reason(error)}") from None
-    return {key: state[checkpoint.tensors[key].key] for key in keys}
+
+
+class _WatchingPlanner(DefaultLoadPlanner):
+    """torch's load planner, calling `landed(stored key, region)` once each chunk is copied to its
+    region of the tensor."""
+
+    def __init__(self, landed: Callable[[str, torch.Tensor], None]) -> None:
+        super().__init__()
+        self.landed = landed
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        self.landed(read_item.dest_index.fqn, tensor)
+
+
+def _chunk_is_finite(region: torch.Tensor) -> bool:
+    """`is_finite` of a region of a tensor, which is strided when the chunk is not whole rows:
+    checked a block of rows at a time, so only a block is ever copied."""
+    if region.is_contiguous():
+        return is_finite(region)
+    rows = max(1, CHUNK_ELEMENTS // max(1, region[0].numel()))
+    return all(is_finite(block.contiguous()) for block in region.split(rows))
+
+
+def _page_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses of a contiguous tensor's bytes, widened to whole pages."""
+    start = tensor.data_ptr()
+    return start - start % mmap.PAGESIZE, start + tensor.nbytes
 
 
 def _reader(store: Store, metadata: Metadata | None = None, unsafe_pickle: bool = False):
@@ -226,7 +355,13 @@ class _CheckedFileSystemReader(_CheckedMetadataReading, FileSystemReader):
 
 
 class _CheckedFsspecReader(_CheckedMetadataReading, FsspecReader):
-    pass
+    def _slice_file(self, file, sinfo) -> io.BytesIO:
+        """One chunk's bytes, fetched with one ranged request through the filesystem of `file`
+        (an fsspec buffered file). torch reads a view of the open file instead, through fsspec's
+        read-ahead cache (50 MiB blocks on s3fs): each worker would fetch most of every rank file,
+        and hold a block beside each chunk."""
+        end = sinfo.offset + sinfo.length
+        return io.BytesIO(file.fs.cat_file(file.path, start=sinfo.offset, end=end))
 
 
 class _RefusedGlobal(Exception):
