@@ -33,7 +33,7 @@ from rayexport.group import WorkerGroup
 from rayexport.job import run_export
 from rayexport.options import ExportOptions
 from rayexport.placement import Devices
-from rayexport.verification import verify_export
+from rayexport.reload_check import check_reload
 from rayexport.workers import ExportWorker
 
 MiB = 2**20
@@ -121,10 +121,8 @@ class ProcessWorkerGroup(WorkerGroup):
         return cls(size, Devices(options.backend, gpus, "gpu_check: local worker processes"), options, job_deadline)
 
     @staticmethod
-    def verify(destination, expected, options, job_deadline):
-        if expected.level == "none":
-            return {"passed": None, "level": "none"}
-        return verify_export(destination, expected, options.timeout_s)
+    def reload(destination, expected, options, job_deadline):
+        return check_reload(destination, expected, options.timeout_s, options.memory_bound_bytes)
 
     def start(self) -> None:
         nccl = self.devices.backend == "nccl"

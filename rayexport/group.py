@@ -25,7 +25,7 @@ from rayexport.plan.schedule import TransferPlan, assign_ranks, group_by_bytes, 
 from rayexport.pool import IdleGroup, get_keeper, group_shape
 from rayexport.storage import Store
 from rayexport.transport import assemble
-from rayexport.verification import ExpectedExport, verify_export
+from rayexport.verification import ExpectedExport, FileCheck
 from rayexport.workers import ExportWorker
 
 log = logging.getLogger(__name__)
@@ -157,15 +157,15 @@ class WorkerGroup:
         return cls(size, devices, options, job_deadline)
 
     @staticmethod
-    def verify(destination: Store, expected: ExpectedExport, options: ExportOptions, job_deadline: float) -> dict[str, Any]:
-        """Check the written export in a separate Ray task (see `verify_export`)."""
-        if expected.level == "none":
-            return {"passed": None, "level": "none"}
+    def reload(destination: Store, expected: ExpectedExport, options: ExportOptions, job_deadline: float) -> dict[str, Any]:
+        """Reload the written export in a separate Ray task (see `rayexport.reload_check`)."""
         import ray
 
-        task = ray.remote(num_cpus=1, max_retries=0)(verify_export)
+        from rayexport.reload_check import check_reload
+
+        task = ray.remote(num_cpus=1, max_retries=0)(check_reload)
         limit = step_limit(options, job_deadline)
-        reference = task.remote(destination, expected, limit[0])
+        reference = task.remote(destination, expected, limit[0], options.memory_bound_bytes)
         return _get([reference], limit, on_failure=lambda: ray.cancel(reference, force=True))[0]
 
     def __init__(self, size: int, devices: Devices, options: ExportOptions, job_deadline: float) -> None:
@@ -384,6 +384,20 @@ class WorkerGroup:
             merged["files"].update(result.pop("files"))
             merged["tensor_digests"].update(result.pop("tensor_digests"))
         return merged, results
+
+    def check_files(self, destination: Store, expected: ExpectedExport, files_by_worker: dict[int, list[str]]) -> list[FileCheck]:
+        """Each worker re-reads the files it wrote, all at once (see `ExportWorker.check_files`)."""
+        answers = self._get([
+            self.actors[worker].check_files.remote(destination, names, expected) for worker, names in sorted(files_by_worker.items()) if names
+        ])
+        return [check for checks in answers for check in checks]
+
+    def memory(self) -> list[dict[str, Any]]:
+        """Each worker's peak memory and working memory so far (after the verification too)."""
+        return [
+            {key: stats[key] for key in ("worker", "peak_rss_bytes", "working_memory_bytes")}
+            for stats in self._get([actor.stats.remote() for actor in self.actors])
+        ]
 
     def shutdown(self, graceful: bool = True) -> None:
         """Remove the actors (letting them leave the group and drop spooled files when

@@ -8,15 +8,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
+from rayexport.dtypes import nbytes
 from rayexport.errors import ExportError
 from rayexport.group import WorkerGroup
 from rayexport.layouts.dcp import DcpCheckpoint, accelerate_model_folder, find_dcp_checkpoint, is_dcp_checkpoint
 from rayexport.layouts.verl import RANK_FILE, VerlCheckpoint, find_verl_checkpoint
 from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
 from rayexport.model import describe_model, generated_files, hf_folder
-from rayexport.options import FULL_VERIFY_LIMIT, ExportOptions
+from rayexport.options import ExportOptions
 from rayexport.plan.formats import ModelFormats
 from rayexport.plan.naming import LoraRequest, TensorPlanning, choose_dtype, plan_holdings
 from rayexport.plan.schedule import ShardFile, plan_shard_files, plan_transfer, safetensors_order
@@ -24,19 +26,27 @@ from rayexport.report import ExportReport
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.ties import check_tied_values
 from rayexport.lora import ADAPTER_WEIGHTS
-from rayexport.verification import ExpectedExport
+from rayexport.verification import ExpectedExport, conclude
 from rayexport.workers import peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _stage(seconds: dict[str, float], name: str) -> Iterator[None]:
+def _stage(seconds: dict[str, float], name: str) -> Iterator[dict[str, int]]:
+    """Time one stage into `seconds`; the body may set `moved["bytes"]`, and a stage that ends
+    well logs one line: its bytes, seconds and rate."""
     started = time.perf_counter()
+    moved: dict[str, int] = {}
     try:
-        yield
+        yield moved
     finally:
         seconds[name] = round(time.perf_counter() - started, 3)
+    if "bytes" in moved:
+        rate = moved["bytes"] / max(seconds[name], 1e-3)
+        log.info("%s: %.2f GB in %.1f s (%.0f MB/s)", name, moved["bytes"] / 1e9, seconds[name], rate / 1e6)
+    else:
+        log.info("%s: %.1f s", name, seconds[name])
 
 
 def export(src: str, dst: str, **options: Any) -> ExportReport:
@@ -69,27 +79,28 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
                     f"'{destination.uri}' already holds a committed export of "
                     f"{existing.get('source')} with other options; pass --force to replace it"
                 )
-            destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
-        for key in destination.abort_uploads():
-            log.warning("aborted an unfinished upload left by an earlier run: %s", key)
-        hf_config = Store(options.hf_config, storage_options) if options.hf_config else None
-        if hf_config is None and source is not trainer_folder and trainer_folder.exists("config.json"):
-            hf_config = trainer_folder  # a Trainer checkpoint keeps config and tokenizer beside the model folder
-        hf_source = hf_folder(source, checkpoint, hf_config, base_model)
-        model = describe_model(hf_source, base_model, options)
-        destination.write_bytes(".rayexport-write-probe", b"")
-        destination.delete(".rayexport-write-probe")
-
-    group = group_type.for_export(options, checkpoint.world_size, job_deadline)
+        # The rest of planning runs in a thread while Ray, the actors and their process group
+        # start here (Ray's signal handlers need the main thread).
+        describing = _in_background(
+            _prepare, destination, existing is not None, source, trainer_folder, checkpoint, base_model, options, storage_options
+        )
+    with _stage(seconds, "start_workers"):
+        try:
+            group = _start_group(group_type, options, checkpoint.world_size, job_deadline)
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the start's error is the one to report
+                describing.result()
+            raise
     num_workers = group.size
     try:
-        with _stage(seconds, "start_workers"):
-            group.start()
+        with _stage(seconds, "describe_model"):  # what is left of it once the workers are up
+            model = describing.result()
         formats = model["formats"]
-        with _stage(seconds, "load"):
+        with _stage(seconds, "load") as moved:
             all_aliases = {**formats.memory.aliases, **formats.disk.aliases}
             rank_infos, holders, worker_of_rank = group.load_checkpoint(source, checkpoint, all_aliases)
             base_infos = group.load_base_model(base_model) if base_model else None
+            moved["bytes"] = sum(nbytes(info.local_shape, info.dtype) for infos in rank_infos.values() for info in infos.values())
         source_finite = _check_finite(rank_infos, options.strict)
         lora = LoraRequest(
             options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora},
@@ -110,29 +121,36 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         transfer = plan_transfer(
             shard_files + adapter_files, by_name, worker_of_rank, num_workers, options.bucket_size, options.writers
         )
-        level = verify_level(options.verify, sum(plan.nbytes for plan in by_name.values()))
+        level = "full" if options.verify == "auto" else options.verify
         source_pieces = group.source_pieces(planning, worker_of_rank) if level != "none" else {}
         carried = {**model["carried"], **generated_files(model["config"], planning, bool(untied), options)}
-        with _stage(seconds, "transfer"):
+        with _stage(seconds, "transfer") as moved:
             result, worker_stats = group.transfer(transfer, by_name, split, destination, carried)
+            moved["bytes"] = sum(record["size"] for record in result["files"].values())
+        tensors = {
+            plan.name: {"dtype": plan.dtype, "shape": list(plan.shape), "sha256": result["tensor_digests"][plan.name]}
+            for plan in by_name.values()
+        }
+        expected = ExpectedExport(
+            files=result["files"], tensors=tensors, tied=_tied_pairs(formats, planning, untied), adapter=bool(planning.adapters),
+            pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code, format=planning.format,
+            source_finite=source_finite,
+        )
+        with _stage(seconds, "verify_files") as moved:
+            checks = verify_files(group, destination, expected, worker_stats)
+            moved["bytes"] = checks["files"]["bytes_read"] if checks else 0
+        for stats, memory in zip(worker_stats, group.memory()):  # the peaks, verification included
+            stats.update(memory)
     except BaseException:
         group.shutdown(graceful=False)  # a failed export's workers are removed, never pooled
         raise
     group.shutdown()
 
-    tensors = {
-        plan.name: {"dtype": plan.dtype, "shape": list(plan.shape), "sha256": result["tensor_digests"][plan.name]}
-        for plan in by_name.values()
-    }
-    expected = ExpectedExport(
-        files=result["files"], tensors=tensors, tied=_tied_pairs(formats, planning, untied), adapter=bool(planning.adapters),
-        pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code, format=planning.format,
-        source_finite=source_finite,
-    )
-    with _stage(seconds, "verify"):
-        verification = group_type.verify(destination, expected, options, job_deadline)
-    # a measurement, not a property of the export: the report has it, the manifest does not
-    reload_peak = verification.get("checks", {}).get("reload", {}).pop("peak_rss_bytes", None)
+    with _stage(seconds, "reload"):
+        verification = _with_reload(checks, group_type, destination, expected, options, job_deadline)
+    # measurements, not properties of the export: the report has them, the manifest does not
+    reload = verification.get("checks", {}).get("reload", {})
+    reload_peak, reload_start = reload.pop("peak_rss_bytes", None), reload.pop("startup_rss_bytes", None)
     manifest = build_manifest(
         source=source.uri,
         layout=checkpoint.layout,
@@ -168,7 +186,10 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
             **{f"worker{stats['worker']}": stats["peak_rss_bytes"] for stats in worker_stats},
             **({"reload": reload_peak} if reload_peak is not None else {}),
         },
-        working_memory_bytes={f"worker{stats['worker']}": stats["working_memory_bytes"] for stats in worker_stats},
+        working_memory_bytes={
+            **{f"worker{stats['worker']}": stats["working_memory_bytes"] for stats in worker_stats},
+            **({"reload": reload_peak - reload_start} if reload_peak is not None and reload_start is not None else {}),
+        },
         peak_gpu_bytes={
             f"worker{stats['worker']}": stats["peak_gpu_bytes"] for stats in worker_stats if stats["peak_gpu_bytes"] is not None
         },
@@ -182,6 +203,44 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         verification=verification,
         skipped=list(getattr(checkpoint, "skipped", [])),
     )
+
+
+def _prepare(
+    destination: Store, replacing: bool, source: Store, trainer_folder: Store, checkpoint, base_model: Store | None,
+    options: ExportOptions, storage_options: dict[str, Any],
+) -> dict[str, Any]:
+    """Ready the destination (uncommit an export being replaced, abort uploads a killed run
+    left, probe that it takes writes) and describe the model the checkpoint holds."""
+    if replacing:
+        destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
+    for key in destination.abort_uploads():
+        log.warning("aborted an unfinished upload left by an earlier run: %s", key)
+    hf_config = Store(options.hf_config, storage_options) if options.hf_config else None
+    if hf_config is None and source is not trainer_folder and trainer_folder.exists("config.json"):
+        hf_config = trainer_folder  # a Trainer checkpoint keeps config and tokenizer beside the model folder
+    model = describe_model(hf_folder(source, checkpoint, hf_config, base_model), base_model, options)
+    destination.write_bytes(".rayexport-write-probe", b"")
+    destination.delete(".rayexport-write-probe")
+    return model
+
+
+def _in_background(function, *args) -> Future:
+    """Run `function(*args)` in a thread of its own; the future gives its result or error."""
+    background = ThreadPoolExecutor(1, thread_name_prefix="rayexport-plan")
+    future = background.submit(function, *args)
+    background.shutdown(wait=False)
+    return future
+
+
+def _start_group(group_type: type[WorkerGroup], options: ExportOptions, world_size: int, job_deadline: float) -> WorkerGroup:
+    """Size and start the worker group; on failure, remove whatever of it had started."""
+    group = group_type.for_export(options, world_size, job_deadline)
+    try:
+        group.start()
+    except BaseException:
+        group.shutdown(graceful=False)
+        raise
+    return group
 
 
 def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, frozenset[str]]:
@@ -245,11 +304,26 @@ def _check_finite(rank_infos: dict[int, dict[str, Any]], strict: bool) -> bool:
     return False
 
 
-def verify_level(requested: str, total_bytes: int) -> str:
-    """`auto` is full verification for exports up to FULL_VERIFY_LIMIT bytes, quick above."""
-    if requested != "auto":
-        return requested
-    return "full" if total_bytes <= FULL_VERIFY_LIMIT else "quick"
+def verify_files(group: WorkerGroup, destination: Store, expected: ExpectedExport, worker_stats: list[dict]) -> dict[str, Any] | None:
+    """Every writer re-reads the files it wrote, all at once; the structure check puts what they
+    found together (see `rayexport.verification.conclude`). None with `--verify none`."""
+    if expected.level == "none":
+        return None
+    written = {stats["worker"]: stats["files_written"] for stats in worker_stats}
+    return conclude(destination, group.check_files(destination, expected, written), expected)
+
+
+def _with_reload(
+    checks: dict[str, Any] | None, group_type: type[WorkerGroup], destination: Store, expected: ExpectedExport,
+    options: ExportOptions, job_deadline: float,
+) -> dict[str, Any]:
+    """The verification's outcome: the file checks' numbers and the reload's."""
+    if checks is None:
+        return {"passed": None, "level": "none"}
+    reload = group_type.reload(destination, expected, options, job_deadline)
+    if reload.get("reason"):
+        log.warning("verification: %s", reload["reason"])
+    return {"passed": True, "level": expected.level, "checks": {**checks, "reload": reload}}
 
 
 def _check_destination(source: Store, destination: Store) -> None:

@@ -18,8 +18,6 @@ from rayexport.plan.formats import FORMATS, ON_DISK
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 VERIFY_LEVELS = ("auto", "full", "quick", "none")
-# `--verify auto` loads and runs the export (full) up to this many bytes, else checks a sample (quick).
-FULL_VERIFY_LIMIT = 8 * 10**9
 LORA_MODES = ("merge", "adapter", "both")
 LAYOUTS = ("auto", "verl", "dcp")
 # The --help groups, in the order a user meets them.
@@ -131,8 +129,9 @@ class ExportOptions:
                                       metavar="ALPHA", recorded=True)
     lora_rslora: bool | None = option(help="the adapter was trained with rsLoRA", group=LORA, recorded=True)
     verify: str = option(
-        "auto", "checks before commit: full (every tensor, reload and forward pass), quick (a sample, keys "
-        "only), none; auto = full up to 8 GB, else quick", group=VERIFICATION, choices=VERIFY_LEVELS, recorded=True,
+        "auto", "checks before commit: full (every byte re-read, reload and forward pass; a model larger "
+        "than --bucket-size allows is streamed through the forward pass), quick (headers and a sample, keys "
+        "only), none; auto = full", group=VERIFICATION, choices=VERIFY_LEVELS, recorded=True,
     )
     strict: bool = option(False, "fail on NaN/Inf weights instead of warning", group=SAFETY, recorded=True)
     trust_remote_code: bool = option(False, "allow the model's own code to run (plan and reload)",
@@ -161,6 +160,12 @@ class ExportOptions:
             raise ExportError(f"--writers must be at least 1, not {self.writers}")
         if self.bucket_size < 1:
             raise ExportError("--bucket-size must be positive")
+
+    @property
+    def memory_bound_bytes(self) -> int:
+        """The most memory any process of the export may hold above its start-up footprint: the
+        two buckets a worker holds, and 1 GiB for everything else (the reload check keeps to it)."""
+        return 2 * self.bucket_size + 2**30
 
     def recorded(self) -> dict[str, Any]:
         """The options that decide the export's bytes, as stored in the manifest (no secrets)."""

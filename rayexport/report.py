@@ -27,7 +27,8 @@ class ExportReport:
     seconds: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
-    # per worker: its peak memory above what it held before loading (the transfer window)
+    # per worker: its peak memory above what it held before loading (the transfer window, the
+    # verification); "reload": the reload check's process, above what it held once started
     working_memory_bytes: dict[str, int | None] = field(default_factory=dict)
     peak_gpu_bytes: dict[str, int] = field(default_factory=dict)  # per GPU worker: its transfer's peak
     files_by_worker: dict[str, list[str]] = field(default_factory=dict)  # which worker wrote what

@@ -11,13 +11,21 @@ import sys
 
 from rayexport.errors import ExportError, print_error
 from rayexport.manifest import MANIFEST_NAME, read_manifest
+from rayexport.options import parse_size
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.verification import ExpectedExport, verify_export
 
+# What an export with the default --bucket-size (1 GiB) allows: two buckets and 1 GiB.
+DEFAULT_MEMORY_BOUND = "3GiB"
 
-def verify_uri(uri: str, level: str | None = None, storage_options: dict | None = None, timeout_s: float = 1800) -> dict:
+
+def verify_uri(
+    uri: str, level: str | None = None, storage_options: dict | None = None, timeout_s: float = 1800,
+    memory_bound: int | str = DEFAULT_MEMORY_BOUND,
+) -> dict:
     """Check the committed export at `uri` against its manifest; raise ExportError naming the
-    first problem, else return each check's numbers."""
+    first problem, else return each check's numbers. The reload stays within `memory_bound`
+    bytes above its start-up footprint, streaming the weights of a larger model."""
     store = Store(uri, storage_options_from_env(storage_options))
     manifest = read_manifest(store)
     if manifest is None:
@@ -26,7 +34,7 @@ def verify_uri(uri: str, level: str | None = None, storage_options: dict | None 
         expected = ExpectedExport.from_manifest(manifest, level)
     except (KeyError, TypeError, AttributeError) as error:
         raise ExportError(f"'{store.display(MANIFEST_NAME)}' is not a rayexport manifest: missing {error}") from None
-    return verify_export(store, expected, timeout_s)
+    return verify_export(store, expected, timeout_s, parse_size(memory_bound))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,10 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--level", choices=("full", "quick"), help="default: the level the export was verified at")
     parser.add_argument("--storage-options", type=json.loads, default={}, metavar="JSON")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--memory-bound", default=DEFAULT_MEMORY_BOUND, metavar="SIZE",
+                        help=f"most memory the reload may hold above its start-up (default {DEFAULT_MEMORY_BOUND})")
     parser.add_argument("--json", action="store_true", help="print the checks' numbers as JSON")
     args = parser.parse_args(argv)
     try:
-        result = verify_uri(args.uri, args.level, args.storage_options, args.timeout)
+        result = verify_uri(args.uri, args.level, args.storage_options, args.timeout, args.memory_bound)
     except ExportError as error:
         return print_error(error)
     print(json.dumps(result, indent=2) if args.json else f"verified {args.uri} ({result['level']}): "

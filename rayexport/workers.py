@@ -9,13 +9,14 @@ stays at the transfer window whatever the size of its files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import resource
 import socket
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from huggingface_hub import StateDictSplit
@@ -35,6 +36,7 @@ from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
 from rayexport.plan.schedule import TransferPlan
 from rayexport.scan import max_abs_difference
 from rayexport.storage import Store
+from rayexport.verification import ExpectedExport, FileCheck, check_files
 from rayexport.writer import WrittenFile, tensor_bytes, write_index, write_shards
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,23 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray else socket.gethostname()
 
 
+@contextlib.contextmanager
+def progress_bar(total: int | None, description: str) -> Iterator[Callable[[int], Any]]:
+    """A bar of bytes done, with rate and ETA; yields its update function. Inside Ray the driver
+    draws it (Ray's tqdm support), so an export's bars show in one place; else a plain tqdm bar."""
+    if _running_ray() is None:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=description, mininterval=1.0) as bar:
+            yield bar.update
+        return
+    from ray.experimental.tqdm_ray import tqdm as ray_tqdm
+
+    bar = ray_tqdm(total=total, desc=description, unit="B")
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
 class ExportWorker:
     """One member of the export's process group (a Ray actor)."""
 
@@ -152,27 +171,33 @@ class ExportWorker:
         """Load this worker's rank files; describe what each holds."""
         self._start_measuring()
         infos = {}
-        for rank in ranks:
-            name = checkpoint.rank_files[rank]
-            state, path = load_rank_state(source, name, self.spool_dir, unsafe_pickle)
-            self.bytes_read += source.size(name)
-            self.states[rank] = state
-            self.mapped += mapped_ranges(path)
-            infos[rank] = {}
-            for key, value in state.items():
-                infos[rank][key] = describe_tensor(value, rank)
-                self.release_pages()
+        sizes = {rank: source.size(checkpoint.rank_files[rank]) for rank in ranks}
+        with progress_bar(sum(sizes.values()), f"load{self.index}") as advance:
+            for rank in ranks:
+                state, path = load_rank_state(source, checkpoint.rank_files[rank], self.spool_dir, unsafe_pickle)
+                self.bytes_read += sizes[rank]
+                self.states[rank] = state
+                self.mapped += mapped_ranges(path)
+                infos[rank] = {}
+                # each tensor's share of the file, so the bar ends at the files' bytes
+                scale = sizes[rank] / max(1, sum(local_tensor(value).nbytes for value in state.values()))
+                for key, value in state.items():
+                    infos[rank][key] = describe_tensor(value, rank)
+                    advance(round(local_tensor(value).nbytes * scale))
+                    self.release_pages()
         return infos
 
     def load_dcp(
         self, source: Store, checkpoint: DcpCheckpoint, keys: list[str], unsafe_pickle: bool = False
     ) -> dict[int, dict[str, ShardInfo]]:
-        """Read whole tensors of a DCP checkpoint, held as this worker's pseudo-rank."""
+        """Read whole tensors of a DCP checkpoint into this worker's spool file, memory-mapped,
+        and hold them as this worker's pseudo-rank."""
         self._start_measuring()
         tensors = read_tensors(source, checkpoint, keys, self.spool_dir, unsafe_pickle=unsafe_pickle)
         self.states[self.index] = tensors
+        self.mapped += tensors.mapped_ranges()
         self.bytes_read += sum(checkpoint.tensors[key].nbytes for key in keys)
-        return {self.index: {key: describe_tensor(value, self.index) for key, value in tensors.items()}}
+        return {self.index: tensors.describe()}
 
     def load_base_model(self, base_model: Store) -> dict[str, ShardInfo]:
         """Exporter only: open a base model folder's weights as the pseudo-rank BASE_MODEL_RANK."""
@@ -234,8 +259,8 @@ class ExportWorker:
         total = sum(plans[name].nbytes for shard in my_files for name in shard.tensors)
 
         def write(tensors) -> tuple[list[WrittenFile], dict[str, str]]:
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"write{self.index}", mininterval=1.0) as progress:
-                return write_shards(destination, my_files, plans, tensors, progress.update)
+            with progress_bar(total, f"write{self.index}") as advance:
+                return write_shards(destination, my_files, plans, tensors, advance)
 
         written, digests = transport.run_transfer(
             self.index, transfer.buckets, plans, self._local, self.device,
@@ -257,6 +282,14 @@ class ExportWorker:
             "tensor_digests": digests,
             **self.stats(bytes_received=received, bytes_written=sum(item.size for item in written)),
         }
+
+    def check_files(self, destination: Store, names: list[str], expected: ExpectedExport) -> list[FileCheck]:
+        """Re-read files this worker wrote from the destination and check them (see
+        `rayexport.verification.check_files`), with a progress bar of the bytes read."""
+        whole = expected.level != "quick"
+        total = sum(expected.files[name]["size"] for name in names) if whole else None
+        with progress_bar(total, f"verify{self.index}") as advance:
+            return check_files(destination, names, expected, advance)
 
     def stats(self, **extra: int) -> dict[str, Any]:
         """Bytes read, whole-life peak memory, and the working memory: the peak above what this

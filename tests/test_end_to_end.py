@@ -4,7 +4,9 @@ over gloo back to S3, reloaded with transformers (the primary case in a fresh pr
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 
 import pytest
 import torch
@@ -110,11 +112,15 @@ def test_tokenizer_that_does_not_load_fails_verification_and_commits_nothing(che
     assert not (destination / "export_manifest.json").exists()
 
 
-def test_a_good_tokenizer_and_bfloat16_reload_pass_verification(checkpoints, tmp_path):
+def test_a_good_tokenizer_and_bfloat16_reload_pass_verification(checkpoints, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="rayexport")
     destination = tmp_path / "out"
     completed = run_main("--src", checkpoints["tied"].path, "--dst", str(destination), "--verify", "full",
                          "--dtype", "bfloat16", "--report", "-")
     assert completed.returncode == 0, completed.stderr[-3000:]
+    for stage in ("load", "transfer", "verify_files"):  # one line per stage: bytes, seconds, rate
+        assert re.search(rf"{stage}: \d+\.\d\d GB in \d+\.\d s \(\d+ MB/s\)", caplog.text), stage
+    assert re.search(r"reload: \d+\.\d s", caplog.text)
     reload_check = json.loads(completed.stdout[completed.stdout.index("{"):])["verification"]["checks"]["reload"]
     assert reload_check["tokenizer"] and reload_check["dtype"] == "bfloat16"
     assert (destination / "export_manifest.json").exists()

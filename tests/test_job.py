@@ -6,14 +6,7 @@ import time
 import pytest
 
 from rayexport.errors import ExportError
-from rayexport.job import export, verify_level
-from rayexport.options import FULL_VERIFY_LIMIT
-
-
-def test_auto_verification_is_full_for_models_that_fit():
-    assert verify_level("auto", FULL_VERIFY_LIMIT) == "full"
-    assert verify_level("auto", FULL_VERIFY_LIMIT + 1) == "quick"
-    assert verify_level("none", 10) == "none"
+from rayexport.job import export
 
 
 def test_an_export_past_its_deadline_stops_and_commits_nothing(checkpoints, ray_address, tmp_path):

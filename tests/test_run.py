@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import run_cli, run_main, s3_exists
+from helpers import export_worker_processes, run_cli, run_main, s3_exists
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -167,11 +167,15 @@ def test_empty_prefix_unknown_scheme_bad_config(broken_copy, tmp_path):
     ({"intermediate_size": 48}, ("mlp", "global shape [64, 32]", "expects [48, 32]")),
 ], ids=["missing", "shape"])
 def test_config_that_does_not_match_the_weights(broken_copy, tmp_path, change, fragments):
+    """The model is described while the workers start; when describing it fails, the workers
+    that started meanwhile are removed too."""
     config_path = broken_copy / "huggingface" / "config.json"
     config = json.loads(config_path.read_text())
     config.update(change)
     config_path.write_text(json.dumps({key: value for key, value in config.items() if value is not None}))
+    before = {process.pid for process in export_worker_processes()}  # a warm pool's may live on
     assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")), *fragments)
+    assert {process.pid for process in export_worker_processes()} <= before
 
 
 def test_destination_inside_source(checkpoints):

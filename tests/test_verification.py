@@ -286,3 +286,82 @@ def test_a_quick_sample_always_holds_a_lora_merged_tensor():
     pieces = {merged: [{"lora": True}], plain[0]: [{}]}
     sample = ExpectedExport(files={}, tensors=dict.fromkeys(names, {}), pieces=pieces, level="quick").sample()
     assert merged in sample and len(sample) == QUICK_SAMPLE and set(sample) - {merged} < set(plain)
+
+
+def test_full_reads_every_byte_back_once_and_quick_only_headers_and_the_sample(export_copy):
+    """The checks read the destination by byte ranges: `full` streams each file once (its
+    sha256, every tensor's digest and every source piece from the same pass), `quick` reads the
+    small files and the sampled tensors' bytes, nothing else of the weights."""
+    from rayexport.verification import ExpectedExport, read_header
+    from rayexport.storage import Store
+
+    manifest = manifest_of(export_copy)
+    sizes = {name: record["size"] for name, record in manifest["files"].items()}
+    full = verify_uri(export_copy, "full")["checks"]
+    assert full["files"]["bytes_read"] == sum(sizes.values())
+    assert full["tensors"]["digests_checked"] == len(manifest["tensors"])
+
+    quick = verify_uri(export_copy, "quick")["checks"]
+    store, sample = Store(export_copy), ExpectedExport.from_manifest(manifest, "quick").sample()
+    sampled = 0
+    for name in (name for name in sizes if name.endswith(".safetensors")):
+        header = read_header(store, name)[1]
+        sampled += sum(entry["data_offsets"][1] - entry["data_offsets"][0] for key, entry in header.items() if key in sample)
+    small = sum(size for name, size in sizes.items() if not name.endswith(".safetensors"))
+    assert quick["files"]["bytes_read"] == small + sampled < sum(sizes.values()) / 2
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_pieces_cut_along_columns_are_checked_across_row_blocks(tmp_path, monkeypatch, corrupt):
+    """A source piece that is a block of columns (tensor parallel, a converted tensor) is not one
+    byte range: its rows' parts are gathered from each block of rows as the file streams by."""
+    import hashlib
+
+    import torch
+
+    from rayexport import verification
+    from rayexport.storage import Store
+    from rayexport.writer import tensor_bytes
+
+    tensor = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
+    save_file({"w": tensor}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    regions = {"left": (0, 0, 7, 2), "right-low": (3, 2, 4, 4), "right-high": (0, 2, 3, 4)}
+    pieces = [
+        {"offset": [row, col], "shape": [rows, cols], "rank": index, "source_key": name,
+         "sha256": hashlib.sha256(tensor_bytes(tensor[row:row + rows, col:col + cols])).hexdigest()}
+        for index, (name, (row, col, rows, cols)) in enumerate(regions.items())
+    ]
+    if corrupt:  # one element of the right-low piece, in a row block the other pieces also cut
+        data = bytearray(data)
+        data[len(data) - tensor.nbytes + (4 * 6 + 3) * 4] ^= 0x40
+        (tmp_path / "model.safetensors").write_bytes(bytes(data))
+    expected = verification.ExpectedExport(
+        files={"model.safetensors": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+        tensors={"w": {"dtype": "float32", "shape": [7, 6], "sha256": hashlib.sha256(data[-tensor.nbytes:]).hexdigest()}},
+        pieces={"w": pieces},
+    )
+    monkeypatch.setattr(verification, "READ_BLOCK", 2 * 6 * 4)  # two rows per read
+    [check] = verification.check_files(Store(str(tmp_path)), ["model.safetensors"], expected)
+    assert check.pieces_checked == 3
+    assert check.problems == (["fidelity: tensor 'w' at offset [3, 2] differs from rank 1's 'right-low'"] if corrupt else [])
+
+
+def test_each_writer_checks_only_the_files_it_was_given(export_copy):
+    """What a writer runs on its own files: a corruption in one shard shows in that shard's
+    check alone, and the structure check, which puts the writers' findings together, reports it."""
+    from rayexport.storage import Store
+    from rayexport.verification import ExpectedExport, check_files, conclude
+
+    path = f"{export_copy}/{SHARD_1}"
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    expected = ExpectedExport.from_manifest(manifest_of(export_copy), "full")
+    store = Store(export_copy)
+    mine = check_files(store, [SHARD_1], expected)
+    others = check_files(store, sorted(set(expected.files) - {SHARD_1}), expected)
+    assert all(not check.problems for check in others)
+    assert mine[0].problems[0] == f"integrity: file {SHARD_1} does not match its recorded sha256"
+    with pytest.raises(VerificationError, match=f"integrity: file {SHARD_1} does not match"):
+        conclude(store, others + mine, expected)
