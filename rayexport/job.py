@@ -17,6 +17,7 @@ from rayexport.group import WorkerGroup
 from rayexport.layouts.dcp import DcpCheckpoint, accelerate_model_folder, find_dcp_checkpoint, is_dcp_checkpoint
 from rayexport.layouts.verl import RANK_FILE, VerlCheckpoint, find_verl_checkpoint
 from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
+from rayexport.memory import peak_rss_bytes
 from rayexport.model import describe_model, generated_files, hf_folder
 from rayexport.options import ExportOptions
 from rayexport.plan.formats import ModelFormats
@@ -27,7 +28,6 @@ from rayexport.storage import Store, storage_options_from_env
 from rayexport.ties import check_tied_values
 from rayexport.lora import ADAPTER_WEIGHTS
 from rayexport.verification import ExpectedExport, conclude
-from rayexport.workers import peak_rss_bytes
 
 log = logging.getLogger(__name__)
 

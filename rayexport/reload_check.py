@@ -28,7 +28,6 @@ import mmap
 import os
 import posixpath
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import torch
 from rayexport.dtypes import TORCH_NAME_OF_CODE, dtype_name, dtype_of
 from rayexport.errors import one_line
 from rayexport.lora import ADAPTER_DIR, ADAPTER_WEIGHTS
+from rayexport.memory import peak_rss_bytes, rss_bytes
 from rayexport.storage import Store
 from rayexport.verification import READ_AHEAD, READ_BLOCK, ExpectedExport, VerificationError, index_shards, read_header
 
@@ -407,7 +407,7 @@ def stream_and_probe(
     sources = export_sources(formats, export_format)
     composed = sorted(name for name, source in sources.items() if source is None)
     module, size = largest_module(model)
-    left = rss_limit - memory_bytes("VmRSS")
+    left = rss_limit - rss_bytes()
     if composed:
         reason = f"'{composed[0]}' is built from several {export_format} tensors, which the streamed reload does not assemble"
     elif size > left:
@@ -551,18 +551,6 @@ def private_channel() -> tuple[IO[bytes], IO[bytes]]:
     return requests, answers
 
 
-def memory_bytes(field_name: str) -> int:
-    """This process's VmRSS (now) or VmHWM (peak) in bytes, from /proc (Linux; else 0)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     requests, answers = private_channel()
     parser = argparse.ArgumentParser(prog="python -m rayexport.reload_check")
@@ -579,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     import accelerate.hooks  # noqa: F401 - the libraries every mode needs count as start-up, not as the reload
     import transformers.modeling_utils  # noqa: F401
 
-    startup = memory_bytes("VmRSS")
+    startup = rss_bytes()
     tied = [tuple(item.split("=", 1)) for item in args.tied]
     with open(args.tensors) as handle:
         table = json.load(handle)
@@ -594,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     result.setdefault("mode", args.mode)
     result.update(load_tokenizer(args.path, args.trust_remote_code))
-    peak = memory_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+    peak = peak_rss_bytes()
     result.update(startup_rss_bytes=startup, peak_rss_bytes=peak)
     requests.write(json.dumps({"result": result}).encode() + b"\n")
     requests.flush()

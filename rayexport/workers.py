@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import resource
 import socket
 import time
 from typing import Any, Callable, Iterator
@@ -31,6 +30,7 @@ from rayexport.layouts.mapped import mapped_ranges, release_pages
 from rayexport.layouts.shards import ShardInfo, describe_tensor, local_tensor
 from rayexport.layouts.verl import VerlCheckpoint, load_rank_state
 from rayexport.lora import merge_lora
+from rayexport.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
 from rayexport.plan.schedule import TransferPlan
@@ -44,37 +44,6 @@ log = logging.getLogger(__name__)
 # A worker started without an export id (benchmarks/gpu_check.py, tests) makes one of its own,
 # as for an export this long from its deadline.
 STANDALONE_SPOOL_S = 86400.0
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory since it started or since `reset_peak_rss()`."""
-    return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def rss_bytes() -> int:
-    """This process's resident memory now."""
-    return _status_bytes("VmRSS")
-
-
-def reset_peak_rss() -> bool:
-    """Start measuring the peak afresh (Linux); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _status_bytes(field: str) -> int:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _running_ray():
