@@ -7,17 +7,26 @@ would commit on `__exit__`).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import copy
+import errno
+import io
 import json
 import logging
 import os
 import posixpath
-import shutil
+import threading
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import fsspec
+from aiobotocore.response import AioReadTimeoutError
+from aiohttp import ClientPayloadError
+from botocore.exceptions import ResponseStreamingError
 from fsspec.core import url_to_fs
+from s3fs.core import S3File
 
 from rayexport.errors import ExportError, one_line
 
@@ -58,15 +67,31 @@ def merge_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[s
 
 
 # Transient S3 faults (500, 502, 503 SlowDown, 504, dropped connections, timeouts) are retried
-# with exponential backoff and jitter (botocore's standard mode) up to this many attempts; a
-# persistent one then fails the call, naming the object, in bounded time. No call can hang:
+# with exponential backoff and jitter (botocore's standard mode) this many times (botocore's
+# max_attempts counts retries; they wait at most 1 + 2 + 4 + 8 + 16 s in all); a persistent
+# one then fails the call, naming the object, in bounded time. No call can hang:
 # connecting and each read have their own timeouts. `--storage-options` can override all three.
 S3_DEFAULTS: dict[str, Any] = {
     "config_kwargs": {"retries": {"max_attempts": 5, "mode": "standard"}, "connect_timeout": 20, "read_timeout": 120},
 }
 
 
+# One S3 writer keeps this many parts uploading while the next is filled, so a worker's large
+# file moves at its link's rate rather than one part's round trip at a time. Memory: these parts
+# and the buffer being filled (under 2 parts), under (4 + 2) x default_block_size per writer
+# (300 MiB at s3fs's 50 MiB default; a worker writes one file at a time).
+UPLOAD_PARTS_IN_FLIGHT = 4
+
+# A download fetches this many ranges of DOWNLOAD_BLOCK at once, each written at its offset as
+# it arrives: at most 4 x 16 MiB = 64 MiB in memory per download.
 DOWNLOAD_BLOCK = 16 * 2**20
+DOWNLOAD_RANGES_IN_FLIGHT = 4
+
+# A response whose body breaks off after its request succeeded: botocore's retries end with the
+# response, so a read is made again, this many times in all. A request that fails is botocore's
+# to retry, and is never retried again here.
+READ_ATTEMPTS = 3
+BODY_ERRORS = (ResponseStreamingError, AioReadTimeoutError, ClientPayloadError)
 
 
 @dataclass
@@ -81,10 +106,24 @@ class Store:
         protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
         fs_options = merge_options(S3_DEFAULTS, self.options) if protocol in ("s3", "s3a") else {}
         try:
-            self.fs, self.root = url_to_fs(self.uri, **fs_options)
+            # a copy: botocore rewrites the retries it is given in place (max_attempts becomes
+            # total_max_attempts), which would carry into S3_DEFAULTS and outrank every later
+            # store's own max_attempts
+            self.fs, self.root = url_to_fs(self.uri, **copy.deepcopy(fs_options))
         except (ValueError, ImportError) as error:
             raise ExportError(f"cannot open storage URI '{self.uri}': {one_line(error)}") from None
         self.is_local = "file" in _protocols(self.fs)
+        if "s3" in _protocols(self.fs):
+            # One round of s3fs's own retry loop: botocore retries each request (S3_DEFAULTS),
+            # and s3fs's 5 rounds ran that whole ladder 5 times over (25 for reads, which nest
+            # two loops), so a persistent fault took minutes to fail a call. A body that breaks
+            # off is read again by _read_retrying.
+            self.fs.retries = 1
+
+    def __reduce__(self):
+        # Rebuilt from its URI and options where it is unpickled (in a Ray worker): a pickled
+        # filesystem comes back from its constructor's arguments alone, without `retries`.
+        return Store, (self.uri, self.options)
 
     def display(self, name: str = "") -> str:
         """The URI of `name`, for messages."""
@@ -125,7 +164,30 @@ class Store:
         return self._call("stat", name, self.fs.size, self.path(name))
 
     def read_bytes(self, name: str) -> bytes:
-        return self._call("read", name, self.fs.cat_file, self.path(name))
+        return self._call("read", name, _read_retrying, self.fs.cat_file, self.path(name))
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of one object; as a file read, fewer where the object ends first
+        and none from past its end."""
+        if not 0 <= start <= end:
+            raise ValueError(f"not a byte range: [{start}, {end})")
+        path = self.path(name)
+
+        def read() -> bytes:
+            if start == end:
+                # fsspec would ask S3 for "bytes=start-(start-1)", which it ignores: the whole object
+                self.fs.size(path)
+                return b""
+            try:
+                return _read_retrying(self.fs.cat_file, path, start=start, end=end)
+            except OSError as error:
+                # S3 refuses a range that starts at or past the end (416, EINVAL) where a file
+                # read ends
+                if error.errno != errno.EINVAL or start < self.fs.size(path):
+                    raise
+                return b""
+
+        return self._call("read", name, read)
 
     def read_json(self, name: str) -> Any:
         data = self.read_bytes(name)
@@ -134,18 +196,22 @@ class Store:
         except ValueError as error:
             raise ExportError(f"'{self.display(name)}' is not valid JSON: {one_line(error)}") from None
 
-    def open_read(self, name: str) -> IO[bytes]:
-        return self._call("open", name, self.fs.open, self.path(name), "rb")
-
-    def download(self, name: str, local_path: str) -> None:
-        """Copy one object to a local file."""
+    def download(self, name: str, local_path: str, progress: Callable[[int], Any] = lambda count: None) -> None:
+        """Copy one object to a local file, several ranges at a time; `progress` gets each
+        count of bytes copied."""
         if self.is_local:
             # Reading in place keeps a local checkpoint memory-mappable without a copy.
             raise ValueError("download() is for remote stores; use path() for local ones")
-        # Range reads of one block at a time: s3fs's get_file holds a whole object in memory.
+
         def copy() -> None:
-            with self.fs.open(self.path(name), "rb", block_size=DOWNLOAD_BLOCK) as source, open(local_path, "wb") as target:
-                shutil.copyfileobj(source, target, DOWNLOAD_BLOCK)
+            # Not s3fs's concurrent get_file: a body that breaks off there fails the whole copy.
+            # Each range here is read again alone (_read_retrying), and on S3 carries the ETag
+            # the file was opened at (If-Match): an object replaced mid-copy fails instead of
+            # mixing two versions.
+            with self.fs.open(self.path(name), "rb", cache_type="none") as source, open(local_path, "wb") as target:
+                target.truncate(source.size)
+                starts = range(0, source.size, DOWNLOAD_BLOCK)
+                _run_all(lambda start: _copy_range(source, start, target.fileno()), starts, DOWNLOAD_RANGES_IN_FLIGHT, progress)
 
         self._call("download", name, copy)
 
@@ -173,7 +239,7 @@ class Store:
         path = self.path(name)
         if self.is_local:
             self._call("create folder for", name, self.fs.makedirs, posixpath.dirname(path), exist_ok=True)
-        handle = self._call("write", name, self.fs.open, path, "wb", autocommit=False)
+        handle = self._call("write", name, self._open_for_writing, path)
         try:
             yield _CheckedWrites(self, name, handle)
             self._call("write", name, handle.close)
@@ -181,6 +247,11 @@ class Store:
         except BaseException:
             _discard(handle)
             raise
+
+    def _open_for_writing(self, path: str) -> IO[bytes]:
+        if "s3" in _protocols(self.fs):
+            return _ConcurrentPartsFile(self.fs, path)
+        return self.fs.open(path, "wb", autocommit=False)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         with self.writer(name) as handle:
@@ -240,6 +311,116 @@ class _CheckedWrites:
         for start in range(0, len(view), step):
             self.store._call("write", self.name, self.handle.write, view[start:start + step])
         return len(view)
+
+
+class _ConcurrentPartsFile(S3File):
+    """s3fs's S3 file, written with autocommit=False, with up to UPLOAD_PARTS_IN_FLIGHT parts
+    uploading while the next one fills (s3fs's own file uploads one part at a time).
+
+    Every part is one block long but the last (as S3-compatible stores that require fixed part
+    sizes need). `close()` returns once every part is up, raising the first part that failed;
+    `commit()` then completes the upload, and `discard()` aborts it. An object of one block or
+    less is PUT whole on commit: one request where s3fs's file makes three."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        extra = fs.s3_additional_kwargs
+        super().__init__(
+            fs, path, "wb", block_size=fs.default_block_size, acl=extra.get("ACL") or extra.get("acl") or False,
+            s3_additional_kwargs=dict(extra), autocommit=False, requester_pays=fs.requester_pays,
+        )
+        self._slots = threading.Semaphore(UPLOAD_PARTS_IN_FLIGHT)
+        self._uploads: list[concurrent.futures.Future] = []
+
+    def _initiate_upload(self) -> None:
+        # fsspec asks for an upload on the first full block, or when closing with none sent
+        # (`forced`): then the buffer holds the whole object, and commit() PUTs it
+        if not self.forced:
+            super()._initiate_upload()
+
+    def _upload_chunk(self, final: bool = False) -> bool:
+        if self.mpu is None:
+            return False  # keep the buffer for commit()'s one-shot PUT
+        with self.buffer.getbuffer() as data:
+            sent = len(data) if final else len(data) - len(data) % self.blocksize
+            for start in range(0, sent, self.blocksize):
+                self._wait_for_a_slot()
+                self._start_part(bytes(data[start:start + self.blocksize]))
+            rest = bytes(data[sent:])
+        self.offset += sent
+        self.buffer = io.BytesIO()
+        self.buffer.write(rest)
+        if final:
+            self.parts = [upload.result() for upload in self._uploads]
+        return False  # fsspec: the buffer is already what is left to send
+
+    def _wait_for_a_slot(self) -> None:
+        """Block until fewer than UPLOAD_PARTS_IN_FLIGHT parts are uploading; a part that
+        failed meanwhile ends the write here."""
+        self._slots.acquire()
+        for upload in self._uploads:
+            if upload.done() and upload.exception() is not None:
+                raise upload.exception()
+
+    def _start_part(self, data: bytes) -> None:
+        """Upload `data` as the next part, in the filesystem's event loop; its slot frees when
+        it ends."""
+        number = len(self._uploads) + 1
+        upload = asyncio.run_coroutine_threadsafe(self._upload_part(self.mpu["UploadId"], number, data), self.fs.loop)
+        upload.add_done_callback(lambda _: self._slots.release())
+        self._uploads.append(upload)
+
+    async def _upload_part(self, upload_id: str, number: int, data: bytes) -> dict:
+        out = await self.fs._call_s3(
+            "upload_part", self.s3_additional_kwargs, self._request_payer_kw,
+            Bucket=self.bucket, Key=self.key, UploadId=upload_id, PartNumber=number, Body=data,
+        )
+        part = {"PartNumber": number, "ETag": out["ETag"]}
+        if "ChecksumSHA256" in out:  # an upload made with checksums completes only with them
+            part["ChecksumSHA256"] = out["ChecksumSHA256"]
+        return part
+
+    def discard(self) -> None:
+        # S3 may keep a part that finishes after its upload's abort: let every part end first
+        concurrent.futures.wait(self._uploads)
+        super().discard()
+
+
+def _read_retrying(read, *args, **kwargs) -> bytes:
+    """`read(*args, **kwargs)`, made again (READ_ATTEMPTS in all) while its body breaks off."""
+    for _ in range(READ_ATTEMPTS - 1):
+        try:
+            return read(*args, **kwargs)
+        except BODY_ERRORS as error:
+            log.info("reading again after a response broke off: %s", one_line(error))
+    return read(*args, **kwargs)
+
+
+def _copy_range(source: Any, start: int, fd: int) -> int:
+    """Copy the block of the open remote file `source` at `start` to the same offset of `fd`;
+    return its length."""
+    end = min(start + DOWNLOAD_BLOCK, source.size)
+    data = memoryview(_read_retrying(source._fetch_range, start, end))
+    if len(data) != end - start:
+        raise EOFError(f"the object ended at byte {start + len(data)} of {source.size}")
+    length = len(data)
+    while data:
+        written = os.pwrite(fd, data, start)
+        data, start = data[written:], start + written
+    return length
+
+
+def _run_all(function, items, workers: int, on_result: Callable[[Any], Any] = lambda result: None) -> None:
+    """Call `function` on every item, `workers` at a time, handing each result to `on_result`
+    as it comes; the first failure cancels the calls not yet started and is raised (rather than
+    waiting for every remaining call to fail too)."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(function, item) for item in items]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                on_result(future.result())
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -4,9 +4,12 @@ moto's server, except the ones a test chose to break.
 Faults, per request number (1-based, counting every request the proxy sees):
   "500"  an S3 InternalError answer, nothing forwarded;
   "503"  an S3 SlowDown (throttling) answer, nothing forwarded;
-  "cut"  half the request body is read, then the connection is closed with no answer.
+  "cut"  half the request body is read, then the connection is closed with no answer;
+  "cut-answer"  the request is forwarded, and the connection closed halfway through the
+         answer's body (after headers that promise all of it).
 A "cut" never reaches the server, so a retried request can never find its first attempt
-already applied (S3 clients retry on exactly these faults).
+already applied (S3 clients retry on exactly these faults). A "cut-answer" does reach it: it
+is for reads, whose repetition changes nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -35,6 +39,9 @@ class FaultProxy:
         self.faults: dict[int, str] = {}
         self.persistent: tuple[int, str] | None = None
         self.injected: list[tuple[int, str, str, str]] = []  # (request number, fault, method, path)
+        self.first_fault_at: float | None = None  # time.monotonic() of the first injected fault
+        self.in_flight = 0
+        self.most_in_flight = 0  # the most requests that were being handled at once
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -55,6 +62,13 @@ class FaultProxy:
             self.faults = dict(faults or {})
             self.persistent = from_request
             self.injected = []
+            self.first_fault_at = None
+            self.most_in_flight = 0
+
+    def _count_in_flight(self, change: int) -> None:
+        with self.lock:
+            self.in_flight += change
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
     def _fault_for(self, method: str, path: str) -> str | None:
         with self.lock:
@@ -64,6 +78,7 @@ class FaultProxy:
                 fault = self.persistent[1]
             if fault is not None:
                 self.injected.append((self.count, fault, method, path))
+                self.first_fault_at = self.first_fault_at or time.monotonic()
             return fault
 
 
@@ -95,6 +110,13 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             return self.rfile.read(length if limit is None else min(length, limit))
 
         def _relay(self) -> None:
+            proxy._count_in_flight(+1)
+            try:
+                self._answer()
+            finally:
+                proxy._count_in_flight(-1)
+
+        def _answer(self) -> None:
             fault = proxy._fault_for(self.command, self.path)
             if fault == "cut":
                 self._body(limit=int(self.headers.get("Content-Length") or 0) // 2)
@@ -126,7 +148,12 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 length = response.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(payload))
                 self.send_header("Content-Length", length)
                 self.end_headers()
-                if self.command != "HEAD":
+                if fault == "cut-answer":
+                    self.wfile.write(payload[:len(payload) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                elif self.command != "HEAD":
                     self.wfile.write(payload)
             finally:
                 upstream.close()

@@ -30,8 +30,20 @@ from rayexport.verify import verify_uri
 pytestmark = pytest.mark.usefixtures("ray_address")
 
 # Few attempts keep a persistent fault's retries short in the tests (botocore's default here is
-# 5 attempts; s3fs adds its own rounds for throttling and dropped connections).
-RETRIES = {"config_kwargs": {"retries": {"max_attempts": 3, "mode": "standard"}}}
+# 5 retries; s3fs's own retry loop is held to one round by Store). A connect timeout longer than
+# the bound below keeps "waited for a timeout" apart from "gave up after its retries".
+RETRIES = {"config_kwargs": {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 90}}
+ATTEMPTS = RETRIES["config_kwargs"]["retries"]["max_attempts"] + 1  # the call and its retries
+# botocore's standard mode waits rand(0, 1) x min(2**i, 20) s before retry i (from 0): at most
+# 1 + 2 + 4 = 7 s from a call's first attempt to its last
+LADDER_S = sum(min(2**retry, 20) for retry in range(ATTEMPTS - 1))
+# Once a persistent fault begins, the run ends after a failing call's ladder, at most two in a
+# row (a write's parts, then its upload's abort; calls beside it fail alongside), and the removal
+# of the worker group: 2.4 to 5.6 s in all, measured at seven fault positions on a loaded 2-CPU
+# machine. Waiting out a timeout on the way takes 90 s or more (the connect timeout above; the
+# read timeout is 120 s), and s3fs's 5 rounds of retries around botocore's (25 for reads) took
+# 72 to 315 s. This bound, 45 s, tells those apart with room for a slow CI machine.
+AFTER_FAULT_S = 3 * LADDER_S + 24
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +115,15 @@ def test_a_persistent_fault_ends_the_run_quickly_and_commits_nothing(proxy, clea
     started = time.monotonic()
     with pytest.raises(ExportError) as failure:
         export(s3_checkpoints["tied"], destination, workers=2, verify="quick", storage_options=_through(proxy))
-    elapsed = time.monotonic() - started
+    ended = time.monotonic()
+    after_fault = ended - proxy.first_fault_at  # the time before it (Ray, the actors) is not the fault's
     message = str(failure.value)
     proxy.reset()  # the fault is over: look at what it left
 
     assert "s3://" in message and "failed for" in message, message  # the object and the operation
-    assert elapsed < 90, f"a persistent fault took {elapsed:.0f} s to end the run"
+    assert after_fault < AFTER_FAULT_S, (
+        f"the run ended {after_fault:.0f} s after a persistent fault began ({ended - started:.0f} s in all)"
+    )
     objects = _objects(destination)
     assert MANIFEST_NAME not in objects
     for name, data in objects.items():  # anything visible is whole: no truncated object
