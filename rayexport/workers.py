@@ -141,9 +141,14 @@ class ExportWorker:
         self._start_measuring()
         infos = {}
         sizes = {rank: source.size(checkpoint.rank_files[rank]) for rank in ranks}
-        with progress_bar(sum(sizes.values()), f"load{self.index}") as advance:
+        with contextlib.ExitStack() as bars:
+            # a remote rank file is first spooled to local disk (rayexport.layouts.verl)
+            spooled = (lambda count: None) if source.is_local else bars.enter_context(
+                progress_bar(sum(sizes.values()), f"spool{self.index}")
+            )
+            advance = bars.enter_context(progress_bar(sum(sizes.values()), f"load{self.index}"))
             for rank in ranks:
-                state, path = load_rank_state(source, checkpoint.rank_files[rank], self.spool_dir, unsafe_pickle)
+                state, path = load_rank_state(source, checkpoint.rank_files[rank], self.spool_dir, unsafe_pickle, spooled)
                 self.bytes_read += sizes[rank]
                 self.states[rank] = state
                 self.mapped += mapped_ranges(path)

@@ -8,6 +8,7 @@ import pickle
 import re
 import zipfile
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -91,14 +92,14 @@ def find_verl_checkpoint(store: Store) -> VerlCheckpoint:
 
 
 def load_rank_state(
-    store: Store, name: str, spool_dir: str, unsafe_pickle: bool = False
+    store: Store, name: str, spool_dir: str, unsafe_pickle: bool = False, progress: Callable[[int], Any] = lambda count: None
 ) -> tuple[dict[str, torch.Tensor], str]:
     """Load one rank file memory-mapped, with the weights-only unpickler (tensors, DTensors and
     their placements only) unless `unsafe_pickle`, which runs arbitrary pickled code. Returns
     the state and the local file it maps.
 
     A remote file is spooled to local disk first so that it too is memory-mapped rather than
-    held in RAM.
+    held in RAM; `progress` gets each count of bytes spooled.
     """
     import torch.distributed.tensor  # noqa: F401 - registers DTensor for weights_only loading
 
@@ -108,7 +109,7 @@ def load_rank_state(
             raise ExportError(f"not found: '{store.display(name)}'")
     else:
         path = os.path.join(spool_dir, name)
-        store.download(name, path)
+        store.download(name, path, progress)
     try:
         state = torch.load(path, map_location="cpu", weights_only=not unsafe_pickle, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as error:
