@@ -159,52 +159,77 @@ def sized_llama_config(target_bytes: int, hidden_size: int = 1024, vocab_size: i
     return config
 
 
-def write_synthetic_checkpoint(config, out_dir: str, world_size: int = 4) -> int:
-    """A verl FSDP2 checkpoint of random weights for `config`, written by `world_size` gloo ranks,
-    each creating only its own Shard(0) slices (no process holds the model). Returns the bytes
-    of its rank files."""
+def write_synthetic_checkpoint(config, out_dir: str, world_size: int = 4, layout: str = "verl", one_rank_at_a_time: bool = False) -> int:
+    """An FSDP2 checkpoint of random weights for `config`, written by `world_size` gloo ranks,
+    each creating only its own Shard(0) slices (no process holds the model): verl rank files, or
+    with `layout="dcp"` a DCP checkpoint saved by `torch.distributed.checkpoint.save` (model
+    state under "model."). `one_rank_at_a_time` (verl) has the ranks make and save their slices
+    in turn, so that only one rank's share is in memory at once (a checkpoint larger than this
+    machine's memory). Returns the bytes of its rank files."""
     from torch import multiprocessing
 
+    if layout == "dcp" and one_rank_at_a_time:
+        raise ValueError("a DCP checkpoint is saved by every rank at once")
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         multiprocessing.spawn(
-            _write_synthetic_rank, args=(world_size, os.path.join(scratch, "rendezvous"), config, out_dir),
+            _write_synthetic_rank,
+            args=(world_size, os.path.join(scratch, "rendezvous"), config, out_dir, layout, one_rank_at_a_time),
             nprocs=world_size,
         )
+    write_hf_folder(config, os.path.join(out_dir, "huggingface"))
+    if layout == "dcp":
+        return sum(os.path.getsize(os.path.join(out_dir, name)) for name in os.listdir(out_dir) if name.endswith(".distcp"))
     with open(os.path.join(out_dir, "fsdp_config.json"), "w") as handle:
         json.dump({"FSDP_version": 2, "world_size": world_size}, handle)
-    write_hf_folder(config, os.path.join(out_dir, "huggingface"))
     return sum(os.path.getsize(os.path.join(out_dir, rank_file_name(world_size, rank))) for rank in range(world_size))
 
 
-def _write_synthetic_rank(rank: int, world_size: int, rendezvous: str, config, out_dir: str) -> None:
+def _write_synthetic_rank(
+    rank: int, world_size: int, rendezvous: str, config, out_dir: str, layout: str, one_rank_at_a_time: bool
+) -> None:
     import datetime
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=3600),
+    )
+    try:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+        for turn in range(world_size) if one_rank_at_a_time else [rank]:
+            if turn == rank:
+                state = _synthetic_shards(rank, world_size, mesh, config)
+                if layout == "dcp":
+                    import torch.distributed.checkpoint as dcp
+
+                    dcp.save({"model": state}, checkpoint_id=out_dir)
+                else:
+                    torch.save(state, os.path.join(out_dir, rank_file_name(world_size, rank)))
+                del state
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _synthetic_shards(rank: int, world_size: int, mesh, config) -> dict[str, torch.Tensor]:
+    """This rank's Shard(0) slice of every tensor of `config`'s model, random."""
     from torch.distributed.tensor import DTensor, Shard
 
     from rayexport.model import build_meta_model, expected_tensors
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=600),
-    )
-    try:
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
-        generator = torch.Generator().manual_seed(rank)
-        dtype = dtype_of(str(config.dtype).removeprefix("torch."))
-        state = {}
-        for name, (shape, _) in sorted(expected_tensors(build_meta_model(config, False)).items()):
-            rows = math.ceil(shape[0] / world_size)
-            start, stop = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
-            local = torch.randn((stop - start, *shape[1:]), generator=generator).to(dtype)
-            stride = tuple(math.prod(shape[dim + 1:]) for dim in range(len(shape)))
-            state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
-        torch.save(state, os.path.join(out_dir, rank_file_name(world_size, rank)))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    generator = torch.Generator().manual_seed(rank)
+    dtype = dtype_of(str(config.dtype).removeprefix("torch."))
+    state = {}
+    for name, (shape, _) in sorted(expected_tensors(build_meta_model(config, False)).items()):
+        rows = math.ceil(shape[0] / world_size)
+        start, stop = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
+        local = torch.randn((stop - start, *shape[1:]), generator=generator).to(dtype)
+        stride = tuple(math.prod(shape[dim + 1:]) for dim in range(len(shape)))
+        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+    return state
 
 
 def write_hf_folder(config, hf_dir: str, code_files: dict[str, str] | None = None) -> None:

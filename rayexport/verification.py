@@ -93,6 +93,7 @@ READ_BLOCK = 16 * 2**20  # bytes per range read; a tensor is read a block of who
 READ_AHEAD = 4  # range reads in flight per file, so a remote destination streams at link rate
 MAX_HEADER = 100 * 2**20  # the safetensors library refuses longer headers too
 STAGES = ("structure", "integrity", "fidelity")  # the order problems are reported in
+Read = tuple[int, int, "tuple[str, int] | None"]  # [start, end) and the tensor and first row it holds
 
 
 @dataclass
@@ -211,12 +212,12 @@ def _check_digest(check: FileCheck, record: dict[str, Any], size: int, digest) -
 
 def _tensor_reads(
     header: dict[str, dict[str, Any]], data_start: int, keys: list[str], whole_file_size: int | None
-) -> list[tuple[int, int, tuple[str, int] | None]]:
+) -> list[Read]:
     """The byte ranges to read, in file order, each with the tensor and first row it holds: the
     tensors `keys` a block of whole rows at a time, and, given the file's size, everything else
     too (header and any other tensor), so that the whole file streams through once."""
     wanted = set(keys)
-    reads: list[tuple[int, int, tuple[str, int] | None]] = []
+    reads: list[Read] = []
     position = 0
     for key, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
         begin, end = (data_start + offset for offset in entry["data_offsets"])
@@ -236,7 +237,10 @@ def _tensor_reads(
     return reads
 
 
-def _read_through(store, name, reads, check: FileCheck, progress, file_digest=None, tensors=None):
+def _read_through(
+    store: Store, name: str, reads: list[Read], check: FileCheck, progress: Callable[[int], Any],
+    file_digest: Any = None, tensors: dict[str, "_TensorCheck"] | None = None,
+) -> Any:
     """Read `reads` in order (a few ranges ahead, in threads), feeding the file's digest and
     each tensor's check; returns the file's digest."""
     with ThreadPoolExecutor(READ_AHEAD) as pool:
@@ -250,7 +254,7 @@ def _read_through(store, name, reads, check: FileCheck, progress, file_digest=No
     return file_digest
 
 
-def _consume(future, item, check: FileCheck, progress, file_digest, tensors) -> None:
+def _consume(future, item: Read, check: FileCheck, progress, file_digest, tensors) -> None:
     data = future.result()
     start, end, where = item
     if len(data) != end - start:
