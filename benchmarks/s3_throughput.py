@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import psutil
+from export_bench import free_port
 
 from rayexport.storage import DOWNLOAD_BLOCK, Store, storage_options_from_env
 
@@ -55,12 +56,6 @@ class Timing:
     seconds: float
     client_cpu_s: float
     server_cpu_s: float
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
