@@ -70,19 +70,11 @@ def _node_id() -> str:
 
 @contextlib.contextmanager
 def progress_bar(total: int | None, description: str) -> Iterator[Callable[[int], Any]]:
-    """A bar of bytes done, with rate and ETA; yields its update function. Inside Ray the driver
-    draws it (Ray's tqdm support), so an export's bars show in one place; else a plain tqdm bar."""
-    if _running_ray() is None:
-        with tqdm(total=total, unit="B", unit_scale=True, desc=description, mininterval=1.0) as bar:
-            yield bar.update
-        return
-    from ray.experimental.tqdm_ray import tqdm as ray_tqdm
-
-    bar = ray_tqdm(total=total, desc=description, unit="B")
-    try:
+    """A bar of bytes done, with rate and ETA; yields its update function. Inside Ray, the
+    driver prints a worker's bar as lines of that worker's output (Ray's tqdm support redraws
+    bars in place, which runs them into the driver's own one-line error messages)."""
+    with tqdm(total=total, unit="B", unit_scale=True, desc=description, mininterval=1.0) as bar:
         yield bar.update
-    finally:
-        bar.close()
 
 
 class ExportWorker:
