@@ -44,7 +44,7 @@ print(
     f"transformers_floor: {'PASS' if passed else 'FAIL'} transformers={transformers.__version__} "
     f"torch={torch.__version__} verified={report['verification']['level']} reload_dtype={reload.get('dtype')} "
     f"tokenizer={reload.get('tokenizer')} reload_peak_mib={peak.get('reload')} "
-    f"actor_peak_mib={peak} verify_s={report['seconds']['verify']} install_s={sys.argv[2]} export_s={sys.argv[3]}"
+    f"actor_peak_mib={peak} verify_s={report['seconds']['verify_files'] + report['seconds']['reload']:.1f} install_s={sys.argv[2]} export_s={sys.argv[3]}"
 )
 sys.exit(0 if passed else 1)
 EOF
