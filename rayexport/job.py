@@ -147,7 +147,7 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
     group.shutdown()
 
     with _stage(seconds, "reload"):
-        verification = _with_reload(checks, group_type, destination, expected, options, job_deadline)
+        verification = _with_reload(checks, group, destination, expected)
     # measurements, not properties of the export: the report has them, the manifest does not
     reload = verification.get("checks", {}).get("reload", {})
     reload_peak, reload_start = reload.pop("peak_rss_bytes", None), reload.pop("startup_rss_bytes", None)
@@ -313,14 +313,11 @@ def verify_files(group: WorkerGroup, destination: Store, expected: ExpectedExpor
     return conclude(destination, group.check_files(destination, expected, written), expected)
 
 
-def _with_reload(
-    checks: dict[str, Any] | None, group_type: type[WorkerGroup], destination: Store, expected: ExpectedExport,
-    options: ExportOptions, job_deadline: float,
-) -> dict[str, Any]:
+def _with_reload(checks: dict[str, Any] | None, group: WorkerGroup, destination: Store, expected: ExpectedExport) -> dict[str, Any]:
     """The verification's outcome: the file checks' numbers and the reload's."""
     if checks is None:
         return {"passed": None, "level": "none"}
-    reload = group_type.reload(destination, expected, options, job_deadline)
+    reload = group.reload(destination, expected)
     if reload.get("reason"):
         log.warning("verification: %s", reload["reason"])
     return {"passed": True, "level": expected.level, "checks": {**checks, "reload": reload}}

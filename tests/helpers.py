@@ -143,9 +143,14 @@ def reload_in_fresh_process(path: str, trust_remote_code: bool = False) -> dict:
 
 
 def export_worker_processes(address: str | None = None) -> list:
-    """The processes of rayexport's worker actors in this test session's Ray (`address`, default
+    """The processes of rayexport's worker actors in this test session's Ray that still run."""
+    return actor_processes("ExportWorker", address)
+
+
+def actor_processes(actor_class: str, address: str | None = None) -> list:
+    """The processes of the `actor_class` actors in this test session's Ray (`address`, default
     the RAY_ADDRESS the `ray_address` fixture sets) that still run: their pids come from that
-    Ray's actor table, so workers of another Ray on this machine (a second checkout's, a
+    Ray's actor table, so actors of another Ray on this machine (a second checkout's, a
     benchmark's) are never listed. Ray's state API (`ray.util.state`) needs the dashboard, which
     the session's Ray runs without; its GCS actor table gives the same pids."""
     import psutil
@@ -155,13 +160,13 @@ def export_worker_processes(address: str | None = None) -> list:
     address = address or os.environ["RAY_ADDRESS"]
     connected = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
     assert connected == address, f"this process is joined to Ray at {connected}, not the session's {address}"
-    pids = {actor["Pid"] for actor in state.actors().values() if actor["ActorClassName"] == "ExportWorker" and actor["Pid"]}
+    pids = {actor["Pid"] for actor in state.actors().values() if actor["ActorClassName"] == actor_class and actor["Pid"]}
     processes = []
     for pid in sorted(pids):
         try:
             process = psutil.Process(pid)
             # the pid of an actor Ray reported dead may have been given to another process since
-            if process.status() != psutil.STATUS_ZOMBIE and "ray::ExportWorker" in " ".join(process.cmdline()):
+            if process.status() != psutil.STATUS_ZOMBIE and f"ray::{actor_class}" in " ".join(process.cmdline()):
                 processes.append(process)
         except psutil.Error:
             continue
