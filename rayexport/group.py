@@ -180,9 +180,7 @@ class WorkerGroup:
 
     def start(self) -> None:
         """Take an idle group from the warm pool if there is one of this shape, else start one:
-        a placement group, the actors, and their process group. The reload process starts first,
-        so that its imports overlap the workers' start and the export."""
-        self.reloader = self._start_reloader()
+        a placement group, the actors, and their process group."""
         if self.options.pool:
             import ray
 
@@ -395,8 +393,9 @@ class WorkerGroup:
         `rayexport.reload_check`), which ends with it."""
         import ray
 
-        reloader = self.reloader or self._start_reloader()
-        self.reloader = None
+        if self.reloader is None:
+            self.start_reloader()
+        reloader, self.reloader = self.reloader, None
         limit = step_limit(self.options, self.job_deadline)
         reference = reloader.check.remote(destination, expected, limit[0], self.options.memory_bound_bytes)
         try:
@@ -404,16 +403,15 @@ class WorkerGroup:
         finally:
             ray.kill(reloader)  # its check ended its process; one past its time is abandoned
 
-    def _start_reloader(self):
-        """A Ray actor holding a started `ReloadProcess`, or None with `--verify none`. It
-        reserves no CPU: it starts while the workers hold theirs and works after they end."""
+    def start_reloader(self) -> None:
+        """Start the reload actor: a Ray actor holding a started `ReloadProcess`, whose imports
+        then overlap the rest of the export. It reserves no CPU: it starts while the workers
+        hold theirs and works after they end."""
         import ray
 
         from rayexport.reload_check import ReloadProcess
 
-        if self.options.verify == "none":
-            return None
-        return ray.remote(num_cpus=0, max_restarts=0)(ReloadProcess).remote()
+        self.reloader = ray.remote(num_cpus=0, max_restarts=0)(ReloadProcess).remote()
 
     def _stop_reloader(self) -> None:
         """End the reload actor of an export that will not be reloaded, its process and its

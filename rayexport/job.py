@@ -124,6 +124,8 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         level = "full" if options.verify == "auto" else options.verify
         source_pieces = group.source_pieces(planning, worker_of_rank) if level != "none" else {}
         carried = {**model["carried"], **generated_files(model["config"], planning, bool(untied), options)}
+        if level != "none":
+            group.start_reloader()  # the export is planned: its reload process imports meanwhile
         with _stage(seconds, "transfer") as moved:
             result, worker_stats = group.transfer(transfer, by_name, split, destination, carried)
             moved["bytes"] = sum(record["size"] for record in result["files"].values())

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 BUCKET = "rayexport-tests"
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -145,6 +146,17 @@ def reload_in_fresh_process(path: str, trust_remote_code: bool = False) -> dict:
 def export_worker_processes(address: str | None = None) -> list:
     """The processes of rayexport's worker actors in this test session's Ray that still run."""
     return actor_processes("ExportWorker", address)
+
+
+def actors_left(actor_class: str, before: set[int], within_s: float = 10) -> set[int]:
+    """The pids of `actor_class` actors not in `before` still running after up to `within_s`
+    seconds (ray.kill returns before the actor's process has ended)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = {process.pid for process in actor_processes(actor_class)} - before
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def actor_processes(actor_class: str, address: str | None = None) -> list:

@@ -19,7 +19,7 @@ import pytest
 import s3fs
 
 from fault_proxy import FaultProxy
-from helpers import BUCKET, export_worker_processes, run_main, upload
+from helpers import BUCKET, actor_processes, actors_left, export_worker_processes, run_main, upload
 from rayexport import spool
 from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
 from rayexport.errors import ExportError
@@ -67,11 +67,16 @@ def _through(proxy: FaultProxy) -> dict:
     return {"endpoint_url": proxy.endpoint, **RETRIES}
 
 
-def _objects(prefix: str) -> dict[str, bytes]:
+def _names(prefix: str) -> list[str]:
     fs = s3fs.S3FileSystem()
     fs.invalidate_cache()
     root = prefix.removeprefix("s3://")
-    return {path[len(root) + 1:]: fs.cat_file(path) for path in fs.find(root)}
+    return [path[len(root) + 1:] for path in fs.find(root)]
+
+
+def _objects(prefix: str) -> dict[str, bytes]:
+    fs = s3fs.S3FileSystem()
+    return {name: fs.cat_file(f"{prefix.removeprefix('s3://')}/{name}") for name in _names(prefix)}
 
 
 def assert_not_committed(destination: str) -> None:
@@ -112,6 +117,7 @@ def test_a_persistent_fault_ends_the_run_quickly_and_commits_nothing(proxy, clea
     start = max(1, round(fraction * clean_export["requests"]))
     proxy.reset(from_request=(start, fault))
     destination = f"s3://{BUCKET}/faults/persistent-{start}-{fault}"
+    reloads_before = {process.pid for process in actor_processes("ReloadProcess")}
     started = time.monotonic()
     with pytest.raises(ExportError) as failure:
         export(s3_checkpoints["tied"], destination, workers=2, verify="quick", storage_options=_through(proxy))
@@ -129,23 +135,27 @@ def test_a_persistent_fault_ends_the_run_quickly_and_commits_nothing(proxy, clea
     for name, data in objects.items():  # anything visible is whole: no truncated object
         assert data == clean_export["objects"][name], name
     assert_not_committed(destination)
+    assert not actors_left("ReloadProcess", reloads_before)  # started once the export was planned
     assert run_main("--cleanup", destination).returncode == 0
     bucket_uploads = s3fs.S3FileSystem().list_multipart_uploads(BUCKET)
     assert not [upload for upload in bucket_uploads if upload["Key"].startswith(destination.split("/", 3)[3])]
 
 
 def test_a_killed_driver_leaves_no_committed_export(s3_checkpoints):
-    """SIGKILL the CLI inside the export (its Ray actors die with their owner)."""
-    delay = 5.0
+    """SIGKILL the CLI inside the export, as soon as it has written its first object (its Ray
+    actors die with their owner)."""
     destination = f"s3://{BUCKET}/faults/killed"
     command = [sys.executable, "-m", "rayexport.run", "--src", s3_checkpoints["tied"], "--dst", destination,
                "--workers", "2", "--verify", "full"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
-    time.sleep(delay + 7.0)  # about 7 s of interpreter, torch and Ray start-up, then into the export
+    deadline = time.monotonic() + 120
+    written = lambda: [name for name in _names(destination) if not name.startswith(".rayexport")]  # noqa: E731 - not the write probe
+    while not written() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     still_running = process.poll() is None
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    assert still_running, "the export finished before it could be killed; kill it earlier"
+    assert still_running, "the export ended before it wrote anything"
 
     objects = _objects(destination)
     assert MANIFEST_NAME not in objects

@@ -45,20 +45,21 @@ def _ended(process: psutil.Process, within_s: float = 30) -> bool:
 
 
 def test_a_reload_actor_never_outlives_its_export(ray_address):
-    """The reload process starts with the workers, before there is an export to check. An
-    export that fails first ends its actor (the reload process and its scratch folder go with
-    it); an actor killed outright takes its reload process along too."""
+    """The reload process starts before the export is written. An export that fails first ends
+    its actor (the reload process and its scratch folder go with it); an actor killed outright
+    takes its reload process along too."""
     import ray
 
     group = WorkerGroup(1, None, ExportOptions(src="a", dst="b"), time.monotonic() + 600)
     before = {process.pid for process in actor_processes("ReloadProcess")}
-    group.reloader = group._start_reloader()
+    group.start_reloader()
     actor, child = _started_reload(before)
     scratch = os.path.dirname(child.cwd())
     group.shutdown(graceful=False)
     assert _ended(child) and _ended(actor) and not os.path.exists(scratch)
 
-    killed = group._start_reloader()
+    group.start_reloader()
+    killed = group.reloader
     actor, child = _started_reload(before | {actor.pid})
     ray.kill(killed)
     assert _ended(actor) and _ended(child)
