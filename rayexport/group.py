@@ -389,8 +389,8 @@ class WorkerGroup:
         ]
 
     def reload(self, destination: Store, expected: ExpectedExport) -> dict[str, Any]:
-        """Reload the written export in the reload actor started with the group (see
-        `rayexport.reload_check`), which ends with it."""
+        """Reload the written export in the reload actor (`start_reloader`, called once the
+        export is planned; see `rayexport.reload_check`), which ends with it."""
         import ray
 
         if self.reloader is None:

@@ -148,8 +148,10 @@ def test_a_killed_driver_leaves_no_committed_export(s3_checkpoints):
     command = [sys.executable, "-m", "rayexport.run", "--src", s3_checkpoints["tied"], "--dst", destination,
                "--workers", "2", "--verify", "full"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    def written() -> list[str]:
+        return [name for name in _names(destination) if not name.startswith(".rayexport")]  # not the write probe
+
     deadline = time.monotonic() + 120
-    written = lambda: [name for name in _names(destination) if not name.startswith(".rayexport")]  # noqa: E731 - not the write probe
     while not written() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     still_running = process.poll() is None
