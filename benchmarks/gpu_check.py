@@ -120,11 +120,9 @@ class ProcessWorkerGroup(WorkerGroup):
         gpus = 1.0 if options.backend == "nccl" else 0.0
         return cls(size, Devices(options.backend, gpus, "gpu_check: local worker processes"), options, job_deadline)
 
-    def start_reloader(self) -> None:
-        pass  # reload() starts its process in this one
-
-    def reload(self, destination, expected):
-        return check_reload(destination, expected, self.options.timeout_s, self.options.memory_bound_bytes)
+    @staticmethod
+    def reload(destination, expected, options, job_deadline):
+        return check_reload(destination, expected, options.timeout_s, options.memory_bound_bytes)
 
     def start(self) -> None:
         nccl = self.devices.backend == "nccl"

@@ -1,15 +1,12 @@
 """Wall time and memory of the reload check: `from_pretrained` in memory against the streamed
-reload, on one export of a random Llama built from its config (no download), each with its
-process started when handed the export (the baseline) and started ahead of it, as an
-export's reload actor starts it with the workers.
+reload, on one export of a random Llama built from its config (no download).
 
     python benchmarks/reload_memory.py                      # about 1 GB of float32 weights
     python benchmarks/reload_memory.py --gb 4 --dtype bfloat16 --bound-mib 256
 
 Each reload runs in its own process (as an export's verification runs it); the table gives
-its wall time as the parent sees it from handing over the export, and the child's peak RSS
-above its start-up footprint (after its imports). The logits digests must agree. Nothing
-here asserts a number.
+its wall time as the parent sees it, and the child's peak RSS above its start-up footprint
+(after its imports). The logits digests must agree. Nothing here asserts a number.
 """
 
 from __future__ import annotations
@@ -42,31 +39,26 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0, help="weights of the model (default 1)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--bound-mib", type=int, default=256, help="memory bound of the streamed reload (default 256)")
-    parser.add_argument("--head-start", type=float, default=15, help="seconds a process started ahead gets (default 15)")
     args = parser.parse_args()
 
-    from rayexport.reload_check import ReloadProcess
+    from rayexport.reload_check import check_reload
     from rayexport.storage import Store
     from rayexport.verification import ExpectedExport
 
     with tempfile.TemporaryDirectory(prefix="reload-memory-") as folder:
         weights = write_export(folder, args.gb, args.dtype)
-        print(f"| {weights / 1e9:.2f} GB of {args.dtype} weights | process started | seconds | peak above start-up | start-up | logits sha256 or reason |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print(f"| {weights / 1e9:.2f} GB of {args.dtype} weights | seconds | peak above start-up | start-up | logits sha256 or reason |")
+        print("| --- | --- | --- | --- | --- |")
         for bound in (2 * weights, args.bound_mib * MiB):
-            for ahead in (False, True):
-                reload = ReloadProcess()
-                if ahead:
-                    time.sleep(args.head_start)
-                started = time.perf_counter()
-                result = reload.check(Store(folder), ExpectedExport(files={}, tensors={}), 3600, bound)
-                seconds = time.perf_counter() - started
-                above = (result["peak_rss_bytes"] - result["startup_rss_bytes"]) / MiB
-                detail = result["logits_sha256"][:16] if "logits_sha256" in result else result.get("reason", "")
-                print(
-                    f"| {result['mode']} (bound {bound / MiB:.0f} MiB) | {f'{args.head_start:.0f} s ahead' if ahead else 'when handed the export'} "
-                    f"| {seconds:.1f} | {above:.0f} MiB | {result['startup_rss_bytes'] / MiB:.0f} MiB | {detail} |"
-                )
+            started = time.perf_counter()
+            result = check_reload(Store(folder), ExpectedExport(files={}, tensors={}), 3600, bound)
+            seconds = time.perf_counter() - started
+            above = (result["peak_rss_bytes"] - result["startup_rss_bytes"]) / MiB
+            detail = result["logits_sha256"][:16] if "logits_sha256" in result else result.get("reason", "")
+            print(
+                f"| {result['mode']} (bound {bound / MiB:.0f} MiB) | {seconds:.1f} | {above:.0f} MiB "
+                f"| {result['startup_rss_bytes'] / MiB:.0f} MiB | {detail} |"
+            )
 
 
 if __name__ == "__main__":

@@ -156,6 +156,18 @@ class WorkerGroup:
         log.info("%d worker(s) over %s: %s", size, devices.backend, devices.reason)
         return cls(size, devices, options, job_deadline)
 
+    @staticmethod
+    def reload(destination: Store, expected: ExpectedExport, options: ExportOptions, job_deadline: float) -> dict[str, Any]:
+        """Reload the written export in a separate Ray task (see `rayexport.reload_check`)."""
+        import ray
+
+        from rayexport.reload_check import check_reload
+
+        task = ray.remote(num_cpus=1, max_retries=0)(check_reload)
+        limit = step_limit(options, job_deadline)
+        reference = task.remote(destination, expected, limit[0], options.memory_bound_bytes)
+        return _get([reference], limit, on_failure=lambda: ray.cancel(reference, force=True))[0]
+
     def __init__(self, size: int, devices: Devices, options: ExportOptions, job_deadline: float) -> None:
         self.job_deadline = job_deadline
         self.size = size
@@ -165,7 +177,6 @@ class WorkerGroup:
         self.placement_group = None
         self.keeper = None
         self.reused = False
-        self.reloader = None
         # Names this export's spool folders on every node (rayexport.spool).
         self.export_id = spool.new_export_id(job_deadline - time.monotonic())
 
@@ -388,44 +399,6 @@ class WorkerGroup:
             for stats in self._get([actor.stats.remote() for actor in self.actors])
         ]
 
-    def reload(self, destination: Store, expected: ExpectedExport) -> dict[str, Any]:
-        """Reload the written export in the reload actor (`start_reloader`, called once the
-        export is planned; see `rayexport.reload_check`), which ends with it."""
-        import ray
-
-        if self.reloader is None:
-            self.start_reloader()
-        reloader, self.reloader = self.reloader, None
-        limit = step_limit(self.options, self.job_deadline)
-        reference = reloader.check.remote(destination, expected, limit[0], self.options.memory_bound_bytes)
-        try:
-            return _get([reference], limit, on_failure=lambda: None)[0]
-        finally:
-            ray.kill(reloader)  # its check ended its process; one past its time is abandoned
-
-    def start_reloader(self) -> None:
-        """Start the reload actor: a Ray actor holding a started `ReloadProcess`, whose imports
-        then overlap the rest of the export. It reserves no CPU: it starts while the workers
-        hold theirs and works after they end."""
-        import ray
-
-        from rayexport.reload_check import ReloadProcess
-
-        self.reloader = ray.remote(num_cpus=0, max_restarts=0)(ReloadProcess).remote()
-
-    def _stop_reloader(self) -> None:
-        """End the reload actor of an export that will not be reloaded, its process and its
-        scratch folder."""
-        import ray
-
-        if self.reloader is None:
-            return
-        with contextlib.suppress(Exception):  # one that is gone already needs nothing
-            ray.get(self.reloader.close.remote(), timeout=10)
-        with contextlib.suppress(Exception):
-            ray.kill(self.reloader)
-        self.reloader = None
-
     def shutdown(self, graceful: bool = True) -> None:
         """Remove the actors (letting them leave the group and drop spooled files when
         `graceful`) and the placement group; with a warm pool, a graceful end instead resets
@@ -434,8 +407,6 @@ class WorkerGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        if not graceful:
-            self._stop_reloader()
         if graceful and self.keeper is not None and self.actors:
             with contextlib.suppress(ExportError):
                 self._get([actor.reset.remote() for actor in self.actors])

@@ -124,8 +124,6 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
         level = "full" if options.verify == "auto" else options.verify
         source_pieces = group.source_pieces(planning, worker_of_rank) if level != "none" else {}
         carried = {**model["carried"], **generated_files(model["config"], planning, bool(untied), options)}
-        if level != "none":
-            group.start_reloader()  # the export is planned: its reload process imports meanwhile
         with _stage(seconds, "transfer") as moved:
             result, worker_stats = group.transfer(transfer, by_name, split, destination, carried)
             moved["bytes"] = sum(record["size"] for record in result["files"].values())
@@ -149,7 +147,7 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
     group.shutdown()
 
     with _stage(seconds, "reload"):
-        verification = _with_reload(checks, group, destination, expected)
+        verification = _with_reload(checks, group_type, destination, expected, options, job_deadline)
     # measurements, not properties of the export: the report has them, the manifest does not
     reload = verification.get("checks", {}).get("reload", {})
     reload_peak, reload_start = reload.pop("peak_rss_bytes", None), reload.pop("startup_rss_bytes", None)
@@ -315,11 +313,14 @@ def verify_files(group: WorkerGroup, destination: Store, expected: ExpectedExpor
     return conclude(destination, group.check_files(destination, expected, written), expected)
 
 
-def _with_reload(checks: dict[str, Any] | None, group: WorkerGroup, destination: Store, expected: ExpectedExport) -> dict[str, Any]:
+def _with_reload(
+    checks: dict[str, Any] | None, group_type: type[WorkerGroup], destination: Store, expected: ExpectedExport,
+    options: ExportOptions, job_deadline: float,
+) -> dict[str, Any]:
     """The verification's outcome: the file checks' numbers and the reload's."""
     if checks is None:
         return {"passed": None, "level": "none"}
-    reload = group.reload(destination, expected)
+    reload = group_type.reload(destination, expected, options, job_deadline)
     if reload.get("reason"):
         log.warning("verification: %s", reload["reason"])
     return {"passed": True, "level": expected.level, "checks": {**checks, "reload": reload}}

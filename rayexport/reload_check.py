@@ -1,12 +1,10 @@
 """Reload an export with transformers, in a process of its own, within a memory bound.
 
-A `ReloadProcess` starts `python -m rayexport.reload_check` with storage credentials removed
-from its environment and an empty module cache, because remote code executes on import. The
-child imports its libraries, then waits for one JSON line of arguments (`child_arguments`): the
-parent sends it once the export is written, after reading the export's safetensors headers by
-byte range. The export's folder in those arguments holds its small files (the export itself
-when it is local); weight bytes reach the child as it asks for them. The child runs one of
-three modes:
+`check_reload` (the parent) reads the export's safetensors headers by byte range and starts
+`python -m rayexport.reload_check DIR --tensors TABLE --mode MODE ...` with storage credentials
+removed from its environment and an empty module cache, because remote code executes on import.
+DIR holds the export's small files (the export itself when it is local); weight bytes reach the
+child as it asks for them. The child runs one of three modes:
 
 - `keys-only`: names and shapes against the model built on the meta device;
 - `in-memory`: `from_pretrained` and a forward pass, for an export that fits the bound;
@@ -22,15 +20,14 @@ the export carries one. What libraries print goes to its stderr.
 
 from __future__ import annotations
 
+import argparse
 import collections
-import contextlib
 import hashlib
 import json
 import mmap
 import os
 import posixpath
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,83 +65,20 @@ def check_reload(destination: Store, expected: ExpectedExport, timeout_s: float,
     never copied whole: see the module's docstring for the modes; `mode` in the result says
     which ran (with `reason` when the streamed reload declined), `startup_rss_bytes` and
     `peak_rss_bytes` the child's memory after its imports and at its peak."""
-    return ReloadProcess().check(destination, expected, timeout_s, memory_bound_bytes)
-
-
-class ReloadProcess:
-    """The reload process, started before there is an export to check: the libraries it needs
-    (seconds of imports) load while the export is still being written, and `check` hands it
-    the export. An export's orchestration holds one in a Ray actor from the moment its workers
-    start (rayexport.group); `check_reload` starts one and uses it at once.
-
-    The process gets no storage credentials and an empty module cache of its own, because
-    remote code executes on import. It ends after one check, or with `close`."""
-
-    def __init__(self) -> None:
-        self.scratch = tempfile.mkdtemp(prefix="rayexport-reload-")
-        modules = os.path.join(self.scratch, "modules")
+    table = tensor_table(destination)
+    mode = reload_mode(expected.level, sum(entry["end"] - entry["start"] for entry in table.values()), memory_bound_bytes)
+    env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
+    with tempfile.TemporaryDirectory(prefix="rayexport-reload-") as scratch:
+        modules = os.path.join(scratch, "modules")
         os.mkdir(modules)
-        env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
         env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        self.errors = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "rayexport.reload_check"], env=env, cwd=modules,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
-        )
-
-    def check(self, destination: Store, expected: ExpectedExport, timeout_s: float, memory_bound_bytes: int) -> dict[str, Any]:
-        """`check_reload` of the export at `destination`; the process ends with it."""
-        try:
-            table = tensor_table(destination)
-            mode = reload_mode(expected.level, sum(entry["end"] - entry["start"] for entry in table.values()), memory_bound_bytes)
-            shards = {entry["file"] for entry in table.values()} if mode != "in-memory" else set()
-            folder = stage_export(destination, shards, os.path.join(self.scratch, "export"))
-            with open(os.path.join(self.scratch, TABLE_FILE), "w") as handle:
-                json.dump(table, handle)
-            arguments = child_arguments(
-                folder, os.path.join(self.scratch, TABLE_FILE), mode, expected, memory_bound_bytes, not destination.is_local
-            )
-            result = self._run(arguments, timeout_s, TensorServer(destination, table))
-        finally:
-            self.close()
-        return checked(result, expected)
-
-    def close(self) -> None:
-        """End the process (if it still runs) and remove its scratch folder."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for pipe in (self.process.stdin, self.process.stdout, self.errors):
-            with contextlib.suppress(OSError):
-                pipe.close()
-        shutil.rmtree(self.scratch, ignore_errors=True)
-
-    def _run(self, arguments: dict[str, Any], timeout_s: float, server: TensorServer) -> dict[str, Any]:
-        """Send the child its arguments and answer its tensor requests until it reports its
-        result; VerificationError when it fails or outlives `timeout_s`."""
-        process = self.process
-        expired = threading.Event()
-        timer = threading.Timer(timeout_s, lambda: (expired.set(), process.kill()))
-        timer.start()
-        try:
-            process.stdin.write(json.dumps(arguments).encode() + b"\n")
-            process.stdin.flush()
-            result = converse(process, server)
-            process.wait()
-        except BrokenPipeError:
-            result = None  # the child died before it read its arguments; its stderr says why
-            process.wait()
-        finally:
-            timer.cancel()
-            if process.poll() is None:
-                process.kill()
-        if expired.is_set():
-            raise VerificationError(f"reload: transformers did not load the export in {timeout_s:.0f} s")
-        if process.returncode != 0 or result is None:
-            self.errors.seek(0)
-            lines = [line for line in self.errors.read().decode(errors="replace").splitlines() if line.strip()]
-            raise VerificationError(f"reload: transformers cannot load the export: {lines[-1] if lines else 'no output'}")
-        return result
+        shards = {entry["file"] for entry in table.values()} if mode != "in-memory" else set()
+        folder = stage_export(destination, shards, os.path.join(scratch, "export"))
+        with open(os.path.join(scratch, TABLE_FILE), "w") as handle:
+            json.dump(table, handle)
+        command = child_command(folder, os.path.join(scratch, TABLE_FILE), mode, expected, memory_bound_bytes, not destination.is_local)
+        result = run_child(command, env, modules, timeout_s, TensorServer(destination, table))
+    return checked(result, expected)
 
 
 def tensor_table(store: Store) -> dict[str, dict[str, Any]]:
@@ -192,16 +126,20 @@ def export_files(store: Store) -> list[str]:
     return sorted(posixpath.relpath(path, store.path()) for path in store.fs.find(store.path()))
 
 
-def child_arguments(
+def child_command(
     folder: str, table_path: str, mode: str, expected: ExpectedExport, memory_bound_bytes: int, from_parent: bool
-) -> dict[str, Any]:
-    """What the reload process is to check, as `main` reads it from its channel."""
-    return {
-        "path": folder, "tensors": table_path, "mode": mode, "format": expected.format,
-        "memory_bound": memory_bound_bytes, "from_parent": from_parent, "trust_remote_code": expected.trust_remote_code,
-        "tied": [list(pair) for pair in expected.tied],
-        "adapter": os.path.join(folder, ADAPTER_DIR) if expected.adapter and mode != "keys-only" else None,
-    }
+) -> list[str]:
+    """The command line of the reload process."""
+    command = [
+        sys.executable, "-m", "rayexport.reload_check", folder, "--tensors", table_path, "--mode", mode,
+        "--format", expected.format, "--memory-bound", str(memory_bound_bytes),
+    ]
+    command += ["--trust-remote-code"] if expected.trust_remote_code else []
+    command += ["--from-parent"] if from_parent else []
+    for canonical, alias in expected.tied:
+        command += ["--tied", f"{canonical}={alias}"]
+    command += ["--adapter", os.path.join(folder, ADAPTER_DIR)] if expected.adapter and mode != "keys-only" else []
+    return command
 
 
 class TensorServer:
@@ -242,6 +180,30 @@ class TensorServer:
         if len(data) != size:
             raise VerificationError(f"reload: shard {entry['file']} ends before the tensors its header describes")
         return data
+
+
+def run_child(command: list[str], env: dict[str, str], cwd: str, timeout_s: float, server: TensorServer) -> dict[str, Any]:
+    """Run the reload process, answering its tensor requests, until it reports its result;
+    VerificationError when it fails or outlives `timeout_s`."""
+    with tempfile.TemporaryFile() as errors:
+        expired = threading.Event()
+        with subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors) as process:
+            timer = threading.Timer(timeout_s, lambda: (expired.set(), process.kill()))
+            timer.start()
+            try:
+                result = converse(process, server)
+                process.wait()
+            finally:
+                timer.cancel()
+                if process.poll() is None:
+                    process.kill()
+        if expired.is_set():
+            raise VerificationError(f"reload: transformers did not load the export in {timeout_s:.0f} s")
+        if process.returncode != 0 or result is None:
+            errors.seek(0)
+            lines = [line for line in errors.read().decode(errors="replace").splitlines() if line.strip()]
+            raise VerificationError(f"reload: transformers cannot load the export: {lines[-1] if lines else 'no output'}")
+    return result
 
 
 def converse(process: subprocess.Popen, server: TensorServer) -> dict[str, Any] | None:
@@ -589,34 +551,37 @@ def private_channel() -> tuple[IO[bytes], IO[bytes]]:
     return requests, answers
 
 
-def main() -> int:
-    """The reload process: import the libraries, then read its arguments (`child_arguments`) as
-    one JSON line from the parent, check, and write `{"result": ...}` back. It ends without a
-    word when the parent closes the channel first (the export failed before it was written)."""
+def main(argv: list[str] | None = None) -> int:
     requests, answers = private_channel()
+    parser = argparse.ArgumentParser(prog="python -m rayexport.reload_check")
+    parser.add_argument("path", help="the export's folder (its small files at least)")
+    parser.add_argument("--tensors", required=True, help="JSON: each tensor's file, dtype, shape and byte range")
+    parser.add_argument("--mode", required=True, choices=MODES)
+    parser.add_argument("--format", default="on-disk", choices=["on-disk", "in-memory"], help="the tensor names the export holds")
+    parser.add_argument("--memory-bound", type=int, default=0, help="bytes the streamed reload may hold above start-up")
+    parser.add_argument("--from-parent", action="store_true", help="read tensor bytes from the parent, not from PATH")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--tied", action="append", default=[], metavar="CANONICAL=ALIAS")
+    parser.add_argument("--adapter", help="a LoRA adapter folder to load onto the model with peft")
+    args = parser.parse_args(argv)
     import accelerate.hooks  # noqa: F401 - the libraries every mode needs count as start-up, not as the reload
     import transformers.modeling_utils  # noqa: F401
 
     startup = rss_bytes()
-    line = answers.readline()
-    if not line:
-        return 0
-    args = json.loads(line)
-    tied = [tuple(pair) for pair in args["tied"]]
-    with open(args["tensors"]) as handle:
+    tied = [tuple(item.split("=", 1)) for item in args.tied]
+    with open(args.tensors) as handle:
         table = json.load(handle)
-    if args["mode"] == "keys-only":
-        result = compare_keys(args["path"], args["trust_remote_code"], tied, args["format"], table_shapes(table))
-    elif args["mode"] == "in-memory":
-        result = reload_and_probe(args["path"], args["trust_remote_code"], tied, args["adapter"])
+    if args.mode == "keys-only":
+        result = compare_keys(args.path, args.trust_remote_code, tied, args.format, table_shapes(table))
+    elif args.mode == "in-memory":
+        result = reload_and_probe(args.path, args.trust_remote_code, tied, args.adapter)
     else:
-        read = parent_reader(requests, answers) if args["from_parent"] else file_reader(args["path"], table)
+        read = parent_reader(requests, answers) if args.from_parent else file_reader(args.path, table)
         result = stream_and_probe(
-            args["path"], args["trust_remote_code"], tied, args["format"], table, read, startup + args["memory_bound"],
-            args["adapter"],
+            args.path, args.trust_remote_code, tied, args.format, table, read, startup + args.memory_bound, args.adapter
         )
-    result.setdefault("mode", args["mode"])
-    result.update(load_tokenizer(args["path"], args["trust_remote_code"]))
+    result.setdefault("mode", args.mode)
+    result.update(load_tokenizer(args.path, args.trust_remote_code))
     peak = peak_rss_bytes()
     result.update(startup_rss_bytes=startup, peak_rss_bytes=peak)
     requests.write(json.dumps({"result": result}).encode() + b"\n")

@@ -19,7 +19,7 @@ import pytest
 import s3fs
 
 from fault_proxy import FaultProxy
-from helpers import BUCKET, actor_processes, actors_left, export_worker_processes, run_main, upload
+from helpers import BUCKET, export_worker_processes, run_main, upload
 from rayexport import spool
 from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
 from rayexport.errors import ExportError
@@ -117,7 +117,6 @@ def test_a_persistent_fault_ends_the_run_quickly_and_commits_nothing(proxy, clea
     start = max(1, round(fraction * clean_export["requests"]))
     proxy.reset(from_request=(start, fault))
     destination = f"s3://{BUCKET}/faults/persistent-{start}-{fault}"
-    reloads_before = {process.pid for process in actor_processes("ReloadProcess")}
     started = time.monotonic()
     with pytest.raises(ExportError) as failure:
         export(s3_checkpoints["tied"], destination, workers=2, verify="quick", storage_options=_through(proxy))
@@ -135,7 +134,6 @@ def test_a_persistent_fault_ends_the_run_quickly_and_commits_nothing(proxy, clea
     for name, data in objects.items():  # anything visible is whole: no truncated object
         assert data == clean_export["objects"][name], name
     assert_not_committed(destination)
-    assert not actors_left("ReloadProcess", reloads_before)  # started once the export was planned
     assert run_main("--cleanup", destination).returncode == 0
     bucket_uploads = s3fs.S3FileSystem().list_multipart_uploads(BUCKET)
     assert not [upload for upload in bucket_uploads if upload["Key"].startswith(destination.split("/", 3)[3])]
