@@ -143,26 +143,27 @@ def reload_in_fresh_process(path: str, trust_remote_code: bool = False) -> dict:
     return dict(result, logits=torch.tensor(result["logits"]))
 
 
-def export_worker_processes(address: str | None = None) -> list:
-    """The processes of rayexport's worker actors in this test session's Ray that still run."""
-    return actor_processes("ExportWorker", address)
+def error_lines(completed: subprocess.CompletedProcess) -> list[str]:
+    """The `rayexport:` lines of a command's stderr, without the workers' progress bars and
+    log lines that Ray forwards there."""
+    return [line for line in completed.stderr.splitlines() if line.startswith("rayexport:")]
 
 
-def actors_left(actor_class: str, before: set[int], within_s: float = 10) -> set[int]:
-    """The pids of `actor_class` actors not in `before` still running after up to `within_s`
-    seconds (ray.kill returns before the actor's process has ended)."""
+def workers_left(before: set[int], within_s: float = 10) -> set[int]:
+    """The pids of export workers not in `before` still running after up to `within_s` seconds
+    (ray.kill returns before the actor's process has ended)."""
     deadline = time.monotonic() + within_s
     while True:
-        left = {process.pid for process in actor_processes(actor_class)} - before
+        left = {process.pid for process in export_worker_processes()} - before
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
 
 
-def actor_processes(actor_class: str, address: str | None = None) -> list:
-    """The processes of the `actor_class` actors in this test session's Ray (`address`, default
+def export_worker_processes(address: str | None = None) -> list:
+    """The processes of rayexport's worker actors in this test session's Ray (`address`, default
     the RAY_ADDRESS the `ray_address` fixture sets) that still run: their pids come from that
-    Ray's actor table, so actors of another Ray on this machine (a second checkout's, a
+    Ray's actor table, so workers of another Ray on this machine (a second checkout's, a
     benchmark's) are never listed. Ray's state API (`ray.util.state`) needs the dashboard, which
     the session's Ray runs without; its GCS actor table gives the same pids."""
     import psutil
@@ -172,13 +173,13 @@ def actor_processes(actor_class: str, address: str | None = None) -> list:
     address = address or os.environ["RAY_ADDRESS"]
     connected = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
     assert connected == address, f"this process is joined to Ray at {connected}, not the session's {address}"
-    pids = {actor["Pid"] for actor in state.actors().values() if actor["ActorClassName"] == actor_class and actor["Pid"]}
+    pids = {actor["Pid"] for actor in state.actors().values() if actor["ActorClassName"] == "ExportWorker" and actor["Pid"]}
     processes = []
     for pid in sorted(pids):
         try:
             process = psutil.Process(pid)
             # the pid of an actor Ray reported dead may have been given to another process since
-            if process.status() != psutil.STATUS_ZOMBIE and f"ray::{actor_class}" in " ".join(process.cmdline()):
+            if process.status() != psutil.STATUS_ZOMBIE and "ray::ExportWorker" in " ".join(process.cmdline()):
                 processes.append(process)
         except psutil.Error:
             continue

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import download, reload, reload_in_fresh_process, run_cli, run_main
+from helpers import download, error_lines, reload, reload_in_fresh_process, run_cli, run_main
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -106,7 +106,7 @@ def test_tokenizer_that_does_not_load_fails_verification_and_commits_nothing(che
     config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()), tokenizer_class="BogusTokenizer")))
     destination = tmp_path / "out"
     completed = run_main("--src", str(source), "--dst", str(destination), "--verify", "full")
-    errors = [line for line in completed.stderr.splitlines() if line.startswith("rayexport:")]
+    errors = error_lines(completed)
     assert completed.returncode == 1 and len(errors) == 1
     assert errors[0].startswith("rayexport: error: reload: tokenizer_config.json") and "'BogusTokenizer'" in errors[0]
     assert not (destination / "export_manifest.json").exists()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dcp_writer import DcpJob, write_dcp_checkpoints
-from helpers import download, reload, run_main, s3_exists, upload
+from helpers import download, error_lines, reload, run_main, s3_exists, upload
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -85,8 +85,8 @@ def test_dcp_keys_that_do_not_match_the_config(dcp_checkpoints, tmp_path):
     shutil.copytree(dcp_checkpoints["tied"]["local"] + "/huggingface", source / "huggingface")
     completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"), "--layout", "dcp")
     assert completed.returncode == 1
-    errors = [line for line in completed.stderr.splitlines() if line.startswith("rayexport: error:")]
-    assert len(errors) == 1 and "config" in errors[0]
+    errors = error_lines(completed)
+    assert len(errors) == 1 and errors[0].startswith("rayexport: error:") and "config" in errors[0]
     assert not (tmp_path / "out" / "export_manifest.json").exists()
 
 
@@ -131,7 +131,7 @@ def test_an_accelerate_checkpoint_folder_with_two_models_names_them(dcp_checkpoi
     source = accelerate_checkpoint(dcp_checkpoints["tied"]["local"], tmp_path / "checkpoint-500", models=2)
     completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"))
     assert completed.returncode == 1
-    assert [line for line in completed.stderr.splitlines() if line.startswith("rayexport:")] == [
+    assert error_lines(completed) == [
         f"rayexport: error: '{source}' holds 2 model checkpoints (pytorch_model_fsdp_0, pytorch_model_fsdp_1); "
         "pass the one to export as --src"
     ]

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from format_models import format_logits, write_format_checkpoints
-from helpers import run_main
+from helpers import error_lines, run_main
 
 ARCHITECTURES = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_vl", "qwen2_5_vl", "qwen3"]
 VERL = [(architecture, naming, "verl") for architecture in ARCHITECTURES for naming in ("in-memory", "on-disk")]
@@ -90,7 +90,7 @@ def test_the_in_memory_option_writes_the_state_dict_names(architecture, format_c
 def test_a_checkpoint_mixing_namings_is_one_line_naming_both_keys(format_checkpoints, tmp_path, ray_address):
     completed = run_main("--src", format_checkpoints[MIXED].path, "--dst", str(tmp_path / "export"))
     assert completed.returncode == 1
-    lines = [line for line in completed.stderr.splitlines() if line.startswith("rayexport:")]  # not the workers' bars
+    lines = error_lines(completed)
     assert len(lines) == 1 and "mixes transformers' in-memory name 'model.layers.0.mlp.experts." in lines[0]
     assert "on-disk name 'model.layers.1.mlp.experts." in lines[0]
     assert not (tmp_path / "export").exists() or not any((tmp_path / "export").iterdir())

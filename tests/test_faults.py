@@ -146,6 +146,7 @@ def test_a_killed_driver_leaves_no_committed_export(s3_checkpoints):
     command = [sys.executable, "-m", "rayexport.run", "--src", s3_checkpoints["tied"], "--dst", destination,
                "--workers", "2", "--verify", "full"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+
     def written() -> list[str]:
         return [name for name in _names(destination) if not name.startswith(".rayexport")]  # not the write probe
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import actor_processes, actors_left, run_cli, run_main, s3_exists
+from helpers import error_lines, export_worker_processes, run_cli, run_main, s3_exists, workers_left
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -41,7 +41,7 @@ def broken_copy(checkpoints, tmp_path):
 
 def assert_fails(completed: subprocess.CompletedProcess, *fragments: str) -> str:
     assert completed.returncode != 0
-    lines = [line for line in completed.stderr.splitlines() if line.startswith("rayexport:")]
+    lines = error_lines(completed)
     assert len(lines) == 1, completed.stderr[-2000:]
     for fragment in fragments:
         assert fragment in lines[0]
@@ -173,9 +173,9 @@ def test_config_that_does_not_match_the_weights(broken_copy, tmp_path, change, f
     config = json.loads(config_path.read_text())
     config.update(change)
     config_path.write_text(json.dumps({key: value for key, value in config.items() if value is not None}))
-    before = {process.pid for process in actor_processes("ExportWorker")}  # a warm pool's may live on
+    before = {process.pid for process in export_worker_processes()}  # a warm pool's may live on
     assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")), *fragments)
-    assert not actors_left("ExportWorker", before)
+    assert not workers_left(before)
 
 
 def test_destination_inside_source(checkpoints):
