@@ -2,33 +2,27 @@
 
 Every object is written with `autocommit=False` and committed only after its last byte, so an
 exception mid-write never publishes a truncated object (fsspec's plain `with fs.open(..., "wb")`
-would commit on `__exit__`).
+would commit on `__exit__`). What S3 needs beyond that is `rayexport.storage_s3`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import copy
 import errno
-import io
 import json
 import logging
 import os
 import posixpath
-import threading
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterator
 
 import fsspec
-from aiobotocore.response import AioReadTimeoutError
-from aiohttp import ClientPayloadError
-from botocore.exceptions import ResponseStreamingError
 from fsspec.core import url_to_fs
-from s3fs.core import S3File
 
 from rayexport.errors import ExportError, one_line
+from rayexport.storage_s3 import BODY_ERRORS, S3_DEFAULTS, ConcurrentPartsFile, unfinished_uploads
 
 log = logging.getLogger(__name__)
 
@@ -66,32 +60,15 @@ def merge_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[s
     return merged
 
 
-# Transient S3 faults (500, 502, 503 SlowDown, 504, dropped connections, timeouts) are retried
-# with exponential backoff and jitter (botocore's standard mode) this many times (botocore's
-# max_attempts counts retries; they wait at most 1 + 2 + 4 + 8 + 16 s in all); a persistent
-# one then fails the call, naming the object, in bounded time. No call can hang:
-# connecting and each read have their own timeouts. `--storage-options` can override all three.
-S3_DEFAULTS: dict[str, Any] = {
-    "config_kwargs": {"retries": {"max_attempts": 5, "mode": "standard"}, "connect_timeout": 20, "read_timeout": 120},
-}
-
-
-# One S3 writer keeps this many parts uploading while the next is filled, so a worker's large
-# file moves at its link's rate rather than one part's round trip at a time. Memory: these parts
-# and the buffer being filled (under 2 parts), under (4 + 2) x default_block_size per writer
-# (300 MiB at s3fs's 50 MiB default; a worker writes one file at a time).
-UPLOAD_PARTS_IN_FLIGHT = 4
-
 # A download fetches this many ranges of DOWNLOAD_BLOCK at once, each written at its offset as
 # it arrives: at most 4 x 16 MiB = 64 MiB in memory per download.
 DOWNLOAD_BLOCK = 16 * 2**20
 DOWNLOAD_RANGES_IN_FLIGHT = 4
 
-# A response whose body breaks off after its request succeeded: botocore's retries end with the
-# response, so a read is made again, this many times in all. A request that fails is botocore's
-# to retry, and is never retried again here.
+# A response whose body breaks off after its request succeeded (BODY_ERRORS): botocore's retries
+# end with the response, so a read is made again, this many times in all. A request that fails is
+# botocore's to retry, and is never retried again here.
 READ_ATTEMPTS = 3
-BODY_ERRORS = (ResponseStreamingError, AioReadTimeoutError, ClientPayloadError)
 
 
 @dataclass
@@ -130,6 +107,7 @@ class Store:
         return f"{self.uri}/{name}" if name else self.uri
 
     def path(self, name: str = "") -> str:
+        """The filesystem path of `name`, as `self.fs` takes it."""
         return posixpath.join(self.root, name) if name else self.root
 
     def child(self, name: str) -> "Store":
@@ -137,6 +115,7 @@ class Store:
         return Store(self.uri.rstrip("/") + "/" + name.strip("/"), self.options)
 
     def exists(self, name: str = "") -> bool:
+        """Whether `name` (a file, or a folder) exists."""
         return self._call("check", name, self.fs.exists, self.path(name))
 
     def list(self, name: str = "") -> list[str]:
@@ -161,9 +140,11 @@ class Store:
         return sorted(posixpath.basename(entry["name"].rstrip("/")) for entry in listed if entry.get("type") == kind)
 
     def size(self, name: str) -> int:
+        """The size of one object in bytes."""
         return self._call("stat", name, self.fs.size, self.path(name))
 
     def read_bytes(self, name: str) -> bytes:
+        """The whole of one object."""
         return self._call("read", name, _read_retrying, self.fs.cat_file, self.path(name))
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
@@ -190,6 +171,7 @@ class Store:
         return self._call("read", name, read)
 
     def read_json(self, name: str) -> Any:
+        """One object, parsed as JSON."""
         data = self.read_bytes(name)
         try:
             return json.loads(data)
@@ -216,6 +198,7 @@ class Store:
         self._call("download", name, copy)
 
     def delete(self, name: str) -> None:
+        """Remove one object, if it exists."""
         if self.exists(name):
             self._call("delete", name, self.fs.rm_file, self.path(name))
 
@@ -224,14 +207,11 @@ class Store:
         return their keys. Only S3 has them."""
         if "s3" not in _protocols(self.fs):
             return []
-        bucket, _, key_prefix = self.root.partition("/")
-        uploads = self._call("list uploads", "", self.fs.list_multipart_uploads, bucket)
-        aborted = []
+        bucket = self.root.partition("/")[0]
+        uploads = self._call("list uploads", "", unfinished_uploads, self.fs, self.root)
         for upload in uploads:
-            if upload["Key"] == key_prefix or upload["Key"].startswith(key_prefix.rstrip("/") + "/"):
-                self._call("abort upload", upload["Key"], self.fs.abort_mpu, bucket, upload["Key"], upload["UploadId"])
-                aborted.append(upload["Key"])
-        return sorted(aborted)
+            self._call("abort upload", upload["Key"], self.fs.abort_mpu, bucket, upload["Key"], upload["UploadId"])
+        return sorted(upload["Key"] for upload in uploads)
 
     @contextlib.contextmanager
     def writer(self, name: str) -> Iterator[IO[bytes]]:
@@ -250,14 +230,16 @@ class Store:
 
     def _open_for_writing(self, path: str) -> IO[bytes]:
         if "s3" in _protocols(self.fs):
-            return _ConcurrentPartsFile(self.fs, path)
+            return ConcurrentPartsFile(self.fs, path)
         return self.fs.open(path, "wb", autocommit=False)
 
     def write_bytes(self, name: str, data: bytes) -> None:
+        """Write one object holding `data`, published only once all of it is written."""
         with self.writer(name) as handle:
             handle.write(data)
 
     def write_json(self, name: str, value: Any) -> None:
+        """Write `value` as indented JSON with sorted keys."""
         self.write_bytes(name, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 
     def create_exclusive(self, name: str, data: bytes) -> bool:
@@ -311,78 +293,6 @@ class _CheckedWrites:
         for start in range(0, len(view), step):
             self.store._call("write", self.name, self.handle.write, view[start:start + step])
         return len(view)
-
-
-class _ConcurrentPartsFile(S3File):
-    """s3fs's S3 file, written with autocommit=False, with up to UPLOAD_PARTS_IN_FLIGHT parts
-    uploading while the next one fills (s3fs's own file uploads one part at a time).
-
-    Every part is one block long but the last (as S3-compatible stores that require fixed part
-    sizes need). `close()` returns once every part is up, raising the first part that failed;
-    `commit()` then completes the upload, and `discard()` aborts it. An object of one block or
-    less is PUT whole on commit: one request where s3fs's file makes three."""
-
-    def __init__(self, fs: Any, path: str) -> None:
-        extra = fs.s3_additional_kwargs
-        super().__init__(
-            fs, path, "wb", block_size=fs.default_block_size, acl=extra.get("ACL") or extra.get("acl") or False,
-            s3_additional_kwargs=dict(extra), autocommit=False, requester_pays=fs.requester_pays,
-        )
-        self._slots = threading.Semaphore(UPLOAD_PARTS_IN_FLIGHT)
-        self._uploads: list[concurrent.futures.Future] = []
-
-    def _initiate_upload(self) -> None:
-        # fsspec asks for an upload on the first full block, or when closing with none sent
-        # (`forced`): then the buffer holds the whole object, and commit() PUTs it
-        if not self.forced:
-            super()._initiate_upload()
-
-    def _upload_chunk(self, final: bool = False) -> bool:
-        if self.mpu is None:
-            return False  # keep the buffer for commit()'s one-shot PUT
-        with self.buffer.getbuffer() as data:
-            sent = len(data) if final else len(data) - len(data) % self.blocksize
-            for start in range(0, sent, self.blocksize):
-                self._wait_for_a_slot()
-                self._start_part(bytes(data[start:start + self.blocksize]))
-            rest = bytes(data[sent:])
-        self.offset += sent
-        self.buffer = io.BytesIO()
-        self.buffer.write(rest)
-        if final:
-            self.parts = [upload.result() for upload in self._uploads]
-        return False  # fsspec: the buffer is already what is left to send
-
-    def _wait_for_a_slot(self) -> None:
-        """Block until fewer than UPLOAD_PARTS_IN_FLIGHT parts are uploading; a part that
-        failed meanwhile ends the write here."""
-        self._slots.acquire()
-        for upload in self._uploads:
-            if upload.done() and upload.exception() is not None:
-                raise upload.exception()
-
-    def _start_part(self, data: bytes) -> None:
-        """Upload `data` as the next part, in the filesystem's event loop; its slot frees when
-        it ends."""
-        number = len(self._uploads) + 1
-        upload = asyncio.run_coroutine_threadsafe(self._upload_part(self.mpu["UploadId"], number, data), self.fs.loop)
-        upload.add_done_callback(lambda _: self._slots.release())
-        self._uploads.append(upload)
-
-    async def _upload_part(self, upload_id: str, number: int, data: bytes) -> dict:
-        out = await self.fs._call_s3(
-            "upload_part", self.s3_additional_kwargs, self._request_payer_kw,
-            Bucket=self.bucket, Key=self.key, UploadId=upload_id, PartNumber=number, Body=data,
-        )
-        part = {"PartNumber": number, "ETag": out["ETag"]}
-        if "ChecksumSHA256" in out:  # an upload made with checksums completes only with them
-            part["ChecksumSHA256"] = out["ChecksumSHA256"]
-        return part
-
-    def discard(self) -> None:
-        # S3 may keep a part that finishes after its upload's abort: let every part end first
-        concurrent.futures.wait(self._uploads)
-        super().discard()
 
 
 def _read_retrying(read, *args, **kwargs) -> bytes:
