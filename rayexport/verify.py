@@ -10,10 +10,12 @@ import json
 import sys
 
 from rayexport.errors import ExportError, print_error
+from rayexport.levels import FULL, QUICK
 from rayexport.manifest import MANIFEST_NAME, read_manifest
 from rayexport.options import parse_size
 from rayexport.storage import Store, storage_options_from_env
-from rayexport.verification import ExpectedExport, verify_export
+from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.outcome import verify_export
 
 # What an export with the default --bucket-size (1 GiB) allows: two buckets and 1 GiB.
 DEFAULT_MEMORY_BOUND = "3GiB"
@@ -38,9 +40,10 @@ def verify_uri(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: 0 when URI verifies, 1 with the first problem's line."""
     parser = argparse.ArgumentParser(prog="python -m rayexport.verify", description=__doc__.splitlines()[0])
     parser.add_argument("uri", help="an export's location (any fsspec URI)")
-    parser.add_argument("--level", choices=("full", "quick"), help="default: the level the export was verified at")
+    parser.add_argument("--level", choices=(FULL, QUICK), help="default: the level the export was verified at")
     parser.add_argument("--storage-options", type=json.loads, default={}, metavar="JSON")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--memory-bound", default=DEFAULT_MEMORY_BOUND, metavar="SIZE",

@@ -10,15 +10,21 @@ source pieces, to the format the export writes. Pure functions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable
+from typing import Iterable, Literal, get_args
 
 from rayexport.errors import ExportError
 from rayexport.plan.pieces import Piece
 from rayexport.plan.tiles import Tile, invert, is_whole, select
 
-IN_MEMORY = "in-memory"
-ON_DISK = "on-disk"
-FORMATS = (ON_DISK, IN_MEMORY)
+# The formats an export's tensors can be written in (`--format`), owned here: everything else
+# compares with these names.
+Format = Literal["on-disk", "in-memory"]
+# What `save_pretrained` writes: per-expert MoE tensors, `model.*` + `visual.*` for VLMs (the
+# Hub's layout, what vLLM and SGLang load, and what transformers 4 held in memory).
+ON_DISK: Format = "on-disk"
+# transformers 5's `state_dict()`: MoE experts fused, VLM submodules nested under `model.`.
+IN_MEMORY: Format = "in-memory"
+FORMATS: tuple[Format, ...] = get_args(Format)
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 
@@ -67,10 +73,11 @@ class ModelFormats:
         """A model whose on-disk format is its in-memory naming."""
         return cls(memory, memory, {}, {name: name for name in memory.expected})
 
-    def naming(self, kind: str) -> Naming:
+    def naming(self, kind: Format) -> Naming:
+        """The model's naming in the format `kind`."""
         return self.memory if kind == IN_MEMORY else self.disk
 
-    def tiles(self, source: str, target: str) -> dict[str, tuple[Tile, ...]] | None:
+    def tiles(self, source: Format, target: Format) -> dict[str, tuple[Tile, ...]] | None:
         """Each `target`-naming tensor as tiles of `source`-naming tensors (None: same names)."""
         if source == target or not self.disk_tiles:
             return None
@@ -82,14 +89,14 @@ class ModelFormats:
                 inverted.setdefault(tile.source, []).append(invert(tile, name))
         return {name: tuple(tiles) for name, tiles in inverted.items()}
 
-    def memory_name(self, kind: str, name: str) -> str | None:
+    def memory_name(self, kind: Format, name: str) -> str | None:
         """The in-memory name of a tensor saved whole (None when it is split or merged)."""
         if kind == IN_MEMORY:
             return name
         return next((memory for memory, disk in self.renamed.items() if disk == name), None)
 
 
-def choose_naming(names: Iterable[str], formats: ModelFormats) -> str:
+def choose_naming(names: Iterable[str], formats: ModelFormats) -> Format:
     """The naming a checkpoint's (normalised) tensor names are in, decided from all of them:
     in-memory when every name is one (a dense model's two namings are the same), else on-disk.
     Names from both, with some in neither's overlap, are a mixture no conversion can read."""
@@ -110,7 +117,7 @@ def choose_naming(names: Iterable[str], formats: ModelFormats) -> str:
 
 
 def convert_plans(
-    plans: list, tiles: dict[str, tuple[Tile, ...]] | None, target: Naming, source_kind: str, target_kind: str
+    plans: list, tiles: dict[str, tuple[Tile, ...]] | None, target: Naming, source_kind: Format, target_kind: Format
 ) -> list:
     """The output tensors of `target` naming, each planned from the tiles of the source plans
     it is made of: every piece becomes the part of its shard a tile needs. A LoRA merge moves

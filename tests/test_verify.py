@@ -1,5 +1,6 @@
-"""Verification catches each way a real export goes wrong; each test asserts the message of the
-check that must catch it, so removing that check fails the test."""
+"""`rayexport.verify` on a committed export: verification catches each way a real export goes
+wrong; each test asserts the message of the check that must catch it, so removing that check
+fails the test."""
 
 from __future__ import annotations
 
@@ -210,20 +211,6 @@ def test_the_reload_reports_the_tokenizer_and_dtype_it_loaded(export_copy):
     assert reload["tokenizer"] and reload["dtype"] == "float32"
 
 
-@pytest.mark.parametrize("version, argument", [
-    ("4.50.3", "torch_dtype"), ("4.55.4", "torch_dtype"), ("4.56.0.dev0", "dtype"), ("4.56.1", "dtype"), ("5.24.0", "dtype"),
-])
-def test_the_reload_names_the_dtype_argument_the_installed_transformers_reads(monkeypatch, version, argument):
-    """transformers below 4.56 reads `torch_dtype` and keeps `dtype` in the config unread, loading
-    a bfloat16 export as float32 (benchmarks/transformers_floor.sh runs the real 4.50)."""
-    import transformers
-
-    from rayexport.reload_check import auto_dtype
-
-    monkeypatch.setattr(transformers, "__version__", version)
-    assert auto_dtype() == {argument: "auto"}
-
-
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # square, LoRA-merged, in the quick sample
 
 
@@ -267,7 +254,7 @@ def rewrite_merged(folder, written, bug):
 def test_a_wrong_lora_merge_fails_fidelity(lora_committed, lora_checkpoints, tmp_path, bug, level):
     """Each worker merges its own shard of the base weight with the adapter read from the
     source, so a merge the exporter got wrong and recorded consistently still shows."""
-    from rayexport.verification import ExpectedExport
+    from rayexport.verification.expected import ExpectedExport
 
     folder = str(shutil.copytree(lora_committed, tmp_path / "export"))
     assert verify_uri(folder, level)["passed"]
@@ -277,23 +264,13 @@ def test_a_wrong_lora_merge_fails_fidelity(lora_committed, lora_checkpoints, tmp
     assert "\n" not in message
 
 
-def test_a_quick_sample_always_holds_a_lora_merged_tensor():
-    from rayexport.verification import QUICK_SAMPLE, ExpectedExport
-
-    names = [f"layers.{index}.weight" for index in range(3 * QUICK_SAMPLE)]
-    plain = ExpectedExport(files={}, tensors=dict.fromkeys(names, {}), level="quick").sample()
-    merged = sorted(set(names) - set(plain))[0]
-    pieces = {merged: [{"lora": True}], plain[0]: [{}]}
-    sample = ExpectedExport(files={}, tensors=dict.fromkeys(names, {}), pieces=pieces, level="quick").sample()
-    assert merged in sample and len(sample) == QUICK_SAMPLE and set(sample) - {merged} < set(plain)
-
-
 def test_full_reads_every_byte_back_once_and_quick_only_headers_and_the_sample(export_copy):
     """The checks read the destination by byte ranges: `full` streams each file once (its
     sha256, every tensor's digest and every source piece from the same pass), `quick` reads the
     small files and the sampled tensors' bytes, nothing else of the weights."""
-    from rayexport.verification import ExpectedExport, read_header
     from rayexport.storage import Store
+    from rayexport.verification.expected import ExpectedExport
+    from rayexport.verification.reading import read_header
 
     manifest = manifest_of(export_copy)
     sizes = {name: record["size"] for name, record in manifest["files"].items()}
@@ -311,47 +288,13 @@ def test_full_reads_every_byte_back_once_and_quick_only_headers_and_the_sample(e
     assert quick["files"]["bytes_read"] == small + sampled < sum(sizes.values()) / 2
 
 
-@pytest.mark.parametrize("corrupt", [False, True])
-def test_pieces_cut_along_columns_are_checked_across_row_blocks(tmp_path, monkeypatch, corrupt):
-    """A source piece that is a block of columns (tensor parallel, a converted tensor) is not one
-    byte range: its rows' parts are gathered from each block of rows as the file streams by."""
-    import hashlib
-
-    import torch
-
-    from rayexport import verification
-    from rayexport.storage import Store
-    from rayexport.writer import tensor_bytes
-
-    tensor = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
-    save_file({"w": tensor}, str(tmp_path / "model.safetensors"))
-    data = (tmp_path / "model.safetensors").read_bytes()
-    regions = {"left": (0, 0, 7, 2), "right-low": (3, 2, 4, 4), "right-high": (0, 2, 3, 4)}
-    pieces = [
-        {"offset": [row, col], "shape": [rows, cols], "rank": index, "source_key": name,
-         "sha256": hashlib.sha256(tensor_bytes(tensor[row:row + rows, col:col + cols])).hexdigest()}
-        for index, (name, (row, col, rows, cols)) in enumerate(regions.items())
-    ]
-    if corrupt:  # one element of the right-low piece, in a row block the other pieces also cut
-        data = bytearray(data)
-        data[len(data) - tensor.nbytes + (4 * 6 + 3) * 4] ^= 0x40
-        (tmp_path / "model.safetensors").write_bytes(bytes(data))
-    expected = verification.ExpectedExport(
-        files={"model.safetensors": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-        tensors={"w": {"dtype": "float32", "shape": [7, 6], "sha256": hashlib.sha256(data[-tensor.nbytes:]).hexdigest()}},
-        pieces={"w": pieces},
-    )
-    monkeypatch.setattr(verification, "READ_BLOCK", 2 * 6 * 4)  # two rows per read
-    [check] = verification.check_files(Store(str(tmp_path)), ["model.safetensors"], expected)
-    assert check.pieces_checked == 3
-    assert check.problems == (["fidelity: tensor 'w' at offset [3, 2] differs from rank 1's 'right-low'"] if corrupt else [])
-
-
 def test_each_writer_checks_only_the_files_it_was_given(export_copy):
     """What a writer runs on its own files: a corruption in one shard shows in that shard's
     check alone, and the structure check, which puts the writers' findings together, reports it."""
     from rayexport.storage import Store
-    from rayexport.verification import ExpectedExport, check_files, conclude
+    from rayexport.verification.expected import ExpectedExport
+    from rayexport.verification.files import check_files
+    from rayexport.verification.structure import conclude
 
     path = f"{export_copy}/{SHARD_1}"
     data = bytearray(open(path, "rb").read())

@@ -11,11 +11,13 @@ import subprocess
 
 import pytest
 
-from rayexport.reload_check import check_reload, tensor_table
 from rayexport.storage import Store, storage_options_from_env
-from rayexport.verification import ExpectedExport, VerificationError
+from rayexport.verification import VerificationError
+from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.reload.parent import check_reload, tensor_table
 
-from helpers import LORA, upload
+from support.helpers import upload
+from support.models import LORA
 
 # The child's peak above its start-up varies by tens of MB with how much of torch's shared
 # libraries the kernel kept resident (up to 85 MB on the 320 MB model in a full run); the bound leaves
@@ -31,7 +33,7 @@ def write_export(config, folder: str, lora: dict | None = None) -> str:
     `lora`, an adapter of random values in lora_adapter/."""
     from peft import LoraConfig, get_peft_model
 
-    from rayexport.demo import build_model, write_hf_folder
+    from support.models import build_model, write_hf_folder
 
     write_hf_folder(config, folder)
     model = build_model(config)
@@ -48,7 +50,7 @@ def write_export(config, folder: str, lora: dict | None = None) -> str:
 @pytest.fixture(scope="module")
 def untied_export(tmp_path_factory):
     """A float32 Llama of about 320 MB, five times the bound; no module above 17 MB."""
-    from rayexport.demo import sized_llama_config
+    from support.models import sized_llama_config
 
     config = sized_llama_config(320 * 10**6, hidden_size=512, vocab_size=8000, dtype="float32")
     return write_export(config, str(tmp_path_factory.mktemp("untied") / "export"))
@@ -57,7 +59,7 @@ def untied_export(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tied_export(tmp_path_factory):
     """A tied float32 Qwen2 of about 220 MB with a LoRA adapter."""
-    from rayexport.demo import tiny_config
+    from support.models import tiny_config
 
     config = tiny_config(
         "qwen2-tied", vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=16,
@@ -188,8 +190,7 @@ def test_experts_stacked_from_several_tensors_fall_back_to_the_keys_check(tmp_pa
     the streamed reload declines, the in-memory one runs where the model fits."""
     import transformers
 
-    from format_models import tiny_format_config
-    from rayexport.demo import write_hf_folder
+    from support.models import tiny_format_config, write_hf_folder
 
     config = tiny_format_config("mixtral")
     folder = str(tmp_path / "export")
@@ -214,3 +215,17 @@ def test_quick_compares_the_headers_only(broken):
         handle.write(b"\xff" * (entry["end"] - entry["start"]))
     result = check_reload(Store(broken), expected(tied=TIED, level="quick"), TIMEOUT_S, BOUND)
     assert result["mode"] == "keys-only" and result["missing_keys"] == [] and result["logits_finite"] is None
+
+
+@pytest.mark.parametrize("version, argument", [
+    ("4.50.3", "torch_dtype"), ("4.55.4", "torch_dtype"), ("4.56.0.dev0", "dtype"), ("4.56.1", "dtype"), ("5.24.0", "dtype"),
+])
+def test_the_reload_names_the_dtype_argument_the_installed_transformers_reads(monkeypatch, version, argument):
+    """transformers below 4.56 reads `torch_dtype` and keeps `dtype` in the config unread, loading
+    a bfloat16 export as float32 (benchmarks/transformers_floor.sh runs the real 4.50)."""
+    import transformers
+
+    from rayexport.verification.reload.child import auto_dtype
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    assert auto_dtype() == {argument: "auto"}

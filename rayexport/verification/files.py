@@ -1,0 +1,216 @@
+"""The file checks: re-reading an export's files by byte ranges, streamed, against what the
+exporter recorded (each file's size and sha256, each tensor's header entry and digest) and
+against the source (each tensor's source pieces). Each writer runs them on the files it wrote."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from rayexport.dtypes import TORCH_NAME_OF_CODE, dtype_of, nbytes
+from rayexport.errors import one_line
+from rayexport.levels import reads_whole_files
+from rayexport.storage import Store
+from rayexport.verification import VerificationError
+from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.reading import READ_AHEAD, READ_BLOCK, is_weights_file, read_header
+from rayexport.writer import tensor_bytes
+
+Read = tuple[int, int, "tuple[str, int] | None"]  # [start, end) and the tensor and first row it holds
+
+
+@dataclass
+class FileCheck:
+    """What re-reading one file of an export found: its tensors as its header describes them
+    (weight files), what was checked, and each problem, as one line starting with its stage."""
+
+    name: str
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # key -> (dtype, shape)
+    missing: bool = False
+    bytes_read: int = 0
+    digests_checked: int = 0
+    pieces_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def check_files(
+    store: Store, names: list[str], expected: ExpectedExport, progress: Callable[[int], Any] = lambda count: None
+) -> list[FileCheck]:
+    """Re-read the export's files `names` at `store`, by byte ranges, streamed: each file's size
+    and sha256 (with `quick`, the small files' only), each weight file's header against the
+    recorded tensors, and each checked tensor's digest and source pieces (every tensor, or with
+    `quick` the sampled ones, of which only their bytes are read). `progress` gets each count
+    of bytes read."""
+    sample = set(expected.sample())
+    return [_check_file(store, name, expected, sample, progress) for name in names]
+
+
+def _check_file(store: Store, name: str, expected: ExpectedExport, sample: set[str], progress) -> FileCheck:
+    check = FileCheck(name)
+    if not store.exists(name):
+        check.missing = True
+        check.problems.append(f"integrity: file {name} is missing")
+        return check
+    size = store.size(name)
+    record = expected.files.get(name, {})
+    if not is_weights_file(name):
+        digest = _read_through(store, name, [(0, size, None)], check, progress, hashlib.sha256())
+        _check_digest(check, record, size, digest)
+        return check
+    try:
+        data_start, header = read_header(store, name)
+        _check_extent(header, data_start, size)
+    except ValueError as error:
+        check.problems.append(f"structure: shard {name} cannot be parsed: {one_line(error)}")
+        return check
+    check.tensors = {key: (TORCH_NAME_OF_CODE[entry["dtype"]], tuple(entry["shape"])) for key, entry in header.items()}
+    for key, (dtype, shape) in check.tensors.items():
+        recorded = expected.tensors.get(key)
+        if recorded is None:
+            check.problems.append(f"integrity: tensor '{key}' in {name} was never written")
+        elif list(shape) != list(recorded["shape"]) or dtype != recorded["dtype"]:
+            check.problems.append(f"integrity: tensor '{key}' has the wrong shape or dtype")
+    whole_file = reads_whole_files(expected.level)
+    checked = sorted(
+        (key for key in header if key in sample and key in expected.tensors), key=lambda key: header[key]["data_offsets"][0]
+    )
+    tensors = {key: _TensorCheck(key, *check.tensors[key], expected.pieces.get(key, [])) for key in checked}
+    reads = _tensor_reads(header, data_start, checked, size if whole_file else None)
+    digest = _read_through(store, name, reads, check, progress, hashlib.sha256() if whole_file else None, tensors)
+    if whole_file:
+        _check_digest(check, record, size, digest)
+    for key in checked:
+        check.problems += tensors[key].problems(expected.tensors[key]["sha256"])
+    check.digests_checked = len(checked)
+    check.pieces_checked = sum(len(tensor.pieces) for tensor in tensors.values())
+    return check
+
+
+def _check_extent(header: dict[str, dict[str, Any]], data_start: int, size: int) -> None:
+    """The tensors' data fills the file after the header, end to end, without overlaps."""
+    position = 0
+    for begin, end in sorted(entry["data_offsets"] for entry in header.values()):
+        if begin < position:
+            raise ValueError("two tensors' data overlap")
+        position = end
+    if data_start + position != size:
+        raise ValueError(f"its header describes {data_start + position} bytes, the file holds {size}")
+
+
+def _check_digest(check: FileCheck, record: dict[str, Any], size: int, digest) -> None:
+    if digest.hexdigest() != record.get("sha256") or size != record.get("size"):
+        check.problems.append(f"integrity: file {check.name} does not match its recorded sha256")
+
+
+def _tensor_reads(
+    header: dict[str, dict[str, Any]], data_start: int, keys: list[str], whole_file_size: int | None
+) -> list[Read]:
+    """The byte ranges to read, in file order, each with the tensor and first row it holds: the
+    tensors `keys` a block of whole rows at a time, and, given the file's size, everything else
+    too (header and any other tensor), so that the whole file streams through once."""
+    wanted = set(keys)
+    reads: list[Read] = []
+    position = 0
+    for key, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        begin, end = (data_start + offset for offset in entry["data_offsets"])
+        if key not in wanted:
+            continue
+        if whole_file_size is not None and position < begin:
+            reads += [(start, min(start + READ_BLOCK, begin), None) for start in range(position, begin, READ_BLOCK)]
+        rows = entry["shape"][0] if entry["shape"] else 1
+        row_bytes = (end - begin) // rows if rows else 0
+        step = max(1, READ_BLOCK // row_bytes) if row_bytes else 1
+        reads += [
+            (begin + row * row_bytes, begin + min(row + step, rows) * row_bytes, (key, row)) for row in range(0, rows, step)
+        ] if row_bytes else []
+        position = end
+    if whole_file_size is not None and position < whole_file_size:
+        reads += [(start, min(start + READ_BLOCK, whole_file_size), None) for start in range(position, whole_file_size, READ_BLOCK)]
+    return reads
+
+
+def _read_through(
+    store: Store, name: str, reads: list[Read], check: FileCheck, progress: Callable[[int], Any],
+    file_digest: Any = None, tensors: dict[str, "_TensorCheck"] | None = None,
+) -> Any:
+    """Read `reads` in order (a few ranges ahead, in threads), feeding the file's digest and
+    each tensor's check; returns the file's digest."""
+    with ThreadPoolExecutor(READ_AHEAD) as pool:
+        pending: deque = deque()
+        for item in reads:
+            pending.append((pool.submit(store.read_range, name, item[0], item[1]), item))
+            if len(pending) > READ_AHEAD:
+                _consume(*pending.popleft(), check, progress, file_digest, tensors)
+        while pending:
+            _consume(*pending.popleft(), check, progress, file_digest, tensors)
+    return file_digest
+
+
+def _consume(future, item: Read, check: FileCheck, progress, file_digest, tensors) -> None:
+    data = future.result()
+    start, end, where = item
+    if len(data) != end - start:
+        raise VerificationError(f"integrity: file {check.name} ended at byte {start + len(data)} while being read")
+    check.bytes_read += len(data)
+    progress(len(data))
+    if file_digest is not None:
+        file_digest.update(data)
+    if where is not None:
+        tensors[where[0]].update(where[1], data)
+
+
+class _TensorCheck:
+    """The digests of one tensor and of the source pieces it must hold, fed blocks of its rows
+    in order: a piece's bytes in C order are its rows' parts one after another."""
+
+    def __init__(self, key: str, dtype: str, shape: tuple[int, ...], pieces: list[dict[str, Any]]) -> None:
+        self.key, self.dtype, self.shape = key, dtype, shape
+        self.digest = hashlib.sha256()
+        self.pieces = [(piece, hashlib.sha256()) for piece in pieces]
+
+    def update(self, first_row: int, data: bytes) -> None:
+        """Feed the next block of the tensor's bytes, whole rows from `first_row` on."""
+        self.digest.update(data)
+        if not self.pieces:
+            return
+        if not self.shape:  # a scalar: each piece is all of it
+            for _, digest in self.pieces:
+                digest.update(data)
+            return
+        row = nbytes(self.shape[1:], self.dtype)
+        block_rows = len(data) // row
+        values = None
+        for piece, digest in self.pieces:
+            offset, extent = piece["offset"], piece["shape"]
+            start, stop = max(first_row, offset[0]), min(first_row + block_rows, offset[0] + extent[0])
+            if start >= stop:
+                continue
+            if list(offset[1:]) == [0] * (len(offset) - 1) and list(extent[1:]) == list(self.shape[1:]):
+                digest.update(memoryview(data)[(start - first_row) * row:(stop - first_row) * row])
+                continue
+            if values is None:
+                values = torch.frombuffer(bytearray(data), dtype=dtype_of(self.dtype)).view(block_rows, *self.shape[1:])
+            region = (slice(start - first_row, stop - first_row),) + tuple(
+                slice(begin, begin + length) for begin, length in zip(offset[1:], extent[1:])
+            )
+            digest.update(tensor_bytes(values[region]))
+
+    def problems(self, recorded_sha256: str) -> list[str]:
+        """Once every row is fed: the tensor's digest against the recorded one, each piece's
+        against its source's."""
+        found = []
+        if self.digest.hexdigest() != recorded_sha256:
+            found.append(f"integrity: tensor '{self.key}' does not match its recorded digest")
+        for piece, digest in self.pieces:
+            if digest.hexdigest() != piece["sha256"]:
+                found.append(
+                    f"fidelity: tensor '{self.key}' at offset {piece['offset']} differs from "
+                    f"rank {piece['rank']}'s '{piece['source_key']}'"
+                    + (" merged with its LoRA adapter" if piece.get("lora") else "")
+                )
+        return found

@@ -1,0 +1,43 @@
+"""The file checks' reads: source pieces of any shape are checked as the file streams by."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import save_file
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_pieces_cut_along_columns_are_checked_across_row_blocks(tmp_path, monkeypatch, corrupt):
+    """A source piece that is a block of columns (tensor parallel, a converted tensor) is not one
+    byte range: its rows' parts are gathered from each block of rows as the file streams by."""
+    import hashlib
+
+    import torch
+
+    from rayexport.storage import Store
+    from rayexport.verification import files
+    from rayexport.verification.expected import ExpectedExport
+    from rayexport.writer import tensor_bytes
+
+    tensor = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
+    save_file({"w": tensor}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    regions = {"left": (0, 0, 7, 2), "right-low": (3, 2, 4, 4), "right-high": (0, 2, 3, 4)}
+    pieces = [
+        {"offset": [row, col], "shape": [rows, cols], "rank": index, "source_key": name,
+         "sha256": hashlib.sha256(tensor_bytes(tensor[row:row + rows, col:col + cols])).hexdigest()}
+        for index, (name, (row, col, rows, cols)) in enumerate(regions.items())
+    ]
+    if corrupt:  # one element of the right-low piece, in a row block the other pieces also cut
+        data = bytearray(data)
+        data[len(data) - tensor.nbytes + (4 * 6 + 3) * 4] ^= 0x40
+        (tmp_path / "model.safetensors").write_bytes(bytes(data))
+    expected = ExpectedExport(
+        files={"model.safetensors": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+        tensors={"w": {"dtype": "float32", "shape": [7, 6], "sha256": hashlib.sha256(data[-tensor.nbytes:]).hexdigest()}},
+        pieces={"w": pieces},
+    )
+    monkeypatch.setattr(files, "READ_BLOCK", 2 * 6 * 4)  # two rows per read
+    [check] = files.check_files(Store(str(tmp_path)), ["model.safetensors"], expected)
+    assert check.pieces_checked == 3
+    assert check.problems == (["fidelity: tensor 'w' at offset [3, 2] differs from rank 1's 'right-low'"] if corrupt else [])
