@@ -16,10 +16,8 @@ import torch
 from rayexport.conversion import model_formats
 from rayexport.dtypes import dtype_name, dtype_of
 from rayexport.errors import ExportError, one_line
-from rayexport.layouts.dcp import DcpCheckpoint
-from rayexport.layouts.verl import HF_DIR, VerlCheckpoint
 from rayexport.lora import ADAPTER_CONFIG, adapter_config, fan_in_fan_out_weights
-from rayexport.options import ExportOptions
+from rayexport.plan.formats import ModelFormats
 from rayexport.plan.naming import TensorPlanning
 from rayexport.remote_code import auto_map_files, bundle_model_code
 from rayexport.storage import Store
@@ -166,7 +164,18 @@ def exported_config(config: dict, dtype: str | None, untie: bool = False) -> dic
     return config
 
 
-def describe_model(hf_store: Store, base_model: Store | None, options: ExportOptions) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ModelDescription:
+    """The model a checkpoint belongs to, as its HF folder describes it."""
+
+    carried: dict[str, bytes]  # files the export carries as they are (tokenizer, code, ...)
+    config: dict  # config.json as save_pretrained writes it
+    config_dtype: str | None  # the dtype the config declares
+    formats: ModelFormats  # names, shapes and ties, in memory and on disk
+    fan_in_fan_out: frozenset[str]  # weights stored transposed (Conv1D), for LoRA merges
+
+
+def describe_model(hf_store: Store, base_model: Store | None, trust_remote_code: bool) -> ModelDescription:
     """Config, meta-model names/shapes and tie aliases, and every file the export carries
     (tokenizer, generation config, remote code), from the checkpoint's HF folder. Remote code
     the folder lacks comes from the base model folder, else from the model's class module."""
@@ -182,8 +191,8 @@ def describe_model(hf_store: Store, base_model: Store | None, options: ExportOpt
                 if name in available:
                     with open(os.path.join(local, name), "wb") as handle:
                         handle.write(base_model.read_bytes(name))
-        config = load_config(local, raw_config, options.trust_remote_code)
-        meta_model = build_meta_model(config, options.trust_remote_code)
+        config = load_config(local, raw_config, trust_remote_code)
+        meta_model = build_meta_model(config, trust_remote_code)
         if any(not os.path.exists(os.path.join(local, name)) for name in code_files):
             bundle_model_code(meta_model, local)
         for name in code_files:
@@ -195,13 +204,13 @@ def describe_model(hf_store: Store, base_model: Store | None, options: ExportOpt
                 path = os.path.join(folder, file)
                 with open(path, "rb") as handle:
                     carried[os.path.relpath(path, local)] = handle.read()
-    return {
-        "carried": carried,
-        "config": saved_config(config, raw_config),
-        "config_dtype": config_dtype(config),
-        "formats": model_formats(meta_model, expected_tensors(meta_model), find_tie_aliases(meta_model)),
-        "fan_in_fan_out": fan_in_fan_out_weights(meta_model),
-    }
+    return ModelDescription(
+        carried=carried,
+        config=saved_config(config, raw_config),
+        config_dtype=config_dtype(config),
+        formats=model_formats(meta_model, expected_tensors(meta_model), find_tie_aliases(meta_model)),
+        fan_in_fan_out=fan_in_fan_out_weights(meta_model),
+    )
 
 
 def _parse_json(data: bytes, uri: str) -> dict:
@@ -214,32 +223,31 @@ def _parse_json(data: bytes, uri: str) -> dict:
     return value
 
 
-def hf_folder(
-    source: Store, checkpoint: VerlCheckpoint | DcpCheckpoint, hf_config: Store | None, base_model: Store | None
-) -> Store:
-    """Where config, tokenizer and code come from: the checkpoint's `huggingface/`, else
-    `--hf-config`, else the `--base-model` folder."""
-    if checkpoint.has_hf_config:
-        return source.child(HF_DIR)
-    for folder in (hf_config, base_model):
+def hf_folder(checkpoint_folder: Store | None, hf_config: Store | None, nearby: Store | None, base_model: Store | None) -> Store:
+    """Where config, tokenizer and code come from: the checkpoint's own folder for them (e.g.
+    verl's `huggingface/`) when it has a config.json, else `--hf-config`, else the folder
+    beside the checkpoint (a Trainer's), else the `--base-model` folder."""
+    if checkpoint_folder is not None and checkpoint_folder.exists("config.json"):
+        return checkpoint_folder
+    for folder in (hf_config, nearby, base_model):
         if folder is not None:
             if not folder.exists("config.json"):
                 raise ExportError(f"missing '{folder.display('config.json')}'")
             return folder
+    where = f"'{checkpoint_folder.display('config.json')}'" if checkpoint_folder is not None else "config.json"
     raise ExportError(
-        f"missing '{source.display(HF_DIR + '/config.json')}': pass --hf-config URI (a folder with the "
-        f"model's config.json and tokenizer) or --base-model"
+        f"missing {where}: pass --hf-config URI (a folder with the model's config.json and tokenizer) or --base-model"
     )
 
 
-def generated_files(config: dict, planning: TensorPlanning, untie: bool, options: ExportOptions) -> dict[str, bytes]:
+def generated_files(config: dict, planning: TensorPlanning, untie: bool, base_model: str | None) -> dict[str, bytes]:
     """Files the export writes from what it learnt: config.json (and adapter_config.json)."""
     floating = sorted({plan.dtype for plan in planning.tensors if dtype_of(plan.dtype).is_floating_point})
     config = exported_config(config, floating[0] if len(floating) == 1 else None, untie)
     files = {"config.json": _json_bytes(config)}
     if planning.adapters:
         files[ADAPTER_CONFIG] = _json_bytes(
-            adapter_config(planning.lora, planning.lora_targets, options.base_model)
+            adapter_config(planning.lora, planning.lora_targets, base_model)
         )
     return files
 

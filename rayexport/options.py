@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayexport.errors import ExportError
+from rayexport.layouts.registry import LAYOUT_NAMES
+from rayexport.levels import AUTO, LEVELS
 from rayexport.placement import is_whole
 from rayexport.plan.formats import FORMATS, ON_DISK
 
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-VERIFY_LEVELS = ("auto", "full", "quick", "none")
 LORA_MODES = ("merge", "adapter", "both")
-LAYOUTS = ("auto", "verl", "dcp")
 # The --help groups, in the order a user meets them.
 SOURCE, OUTPUT, CLUSTER, LORA, VERIFICATION, SAFETY = (
     "source", "output", "cluster", "LoRA", "verification", "safety",
@@ -73,8 +73,8 @@ class ExportOptions:
     src: str = option(help="checkpoint prefix (local path, file://, s3://, any fsspec URI)", group=SOURCE,
                       metavar="URI", required=True)
     dst: str = option(help="where the Hugging Face model is written", group=OUTPUT, metavar="URI", required=True)
-    layout: str = option("auto", "verl rank files or a PyTorch DCP directory (auto: from the files present)",
-                         group=SOURCE, choices=LAYOUTS)
+    layout: str = option("auto", "verl rank files, a PyTorch DCP directory or an accelerate checkpoint folder "
+                         "(auto: from the files present)", group=SOURCE, choices=LAYOUT_NAMES)
     hf_config: str | None = option(help="HF folder with config.json and tokenizer when SRC has no huggingface/",
                                    group=SOURCE, metavar="URI")
     dcp_prefix: str | None = option(help="key prefix of the model in a DCP state dict (default: detected)",
@@ -129,9 +129,9 @@ class ExportOptions:
                                       metavar="ALPHA", recorded=True)
     lora_rslora: bool | None = option(help="the adapter was trained with rsLoRA", group=LORA, recorded=True)
     verify: str = option(
-        "auto", "checks before commit: full (every byte re-read, reload and forward pass; a model larger "
+        AUTO, "checks before commit: full (every byte re-read, reload and forward pass; a model larger "
         "than --bucket-size allows is streamed through the forward pass), quick (headers and a sample, keys "
-        "only), none; auto = full", group=VERIFICATION, choices=VERIFY_LEVELS, recorded=True,
+        "only), none; auto = full", group=VERIFICATION, choices=LEVELS, recorded=True,
     )
     strict: bool = option(False, "fail on NaN/Inf weights instead of warning", group=SAFETY, recorded=True)
     trust_remote_code: bool = option(False, "allow the model's own code to run (plan and reload)",

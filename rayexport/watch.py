@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayexport.errors import ExportError, one_line
-from rayexport.layouts.dcp import DCP_METADATA
-from rayexport.layouts.verl import FSDP_CONFIG
+from rayexport.layouts import registry
 from rayexport.manifest import read_manifest
 from rayexport.storage import Store
 
@@ -68,15 +67,6 @@ def find_candidates(root: Store, pattern: str) -> list[Candidate]:
 def destination_for(template: str, candidate: Candidate) -> str:
     """`--dst-template` filled in: `{step}` and `{name}` (the matched path, '/' as '_')."""
     return template.format(step=candidate.step, name=candidate.relative.replace("/", "_"))
-
-
-def snapshot(store: Store) -> dict[str, int] | None:
-    """Names and sizes of a checkpoint's files, or None while it is incomplete (no
-    fsdp_config.json / .metadata yet: the trainer writes those last)."""
-    names = store.list()
-    if FSDP_CONFIG not in names and DCP_METADATA not in names:
-        return None
-    return {name: store.size(name) for name in names}
 
 
 def exclusive_create_honoured(store: Store) -> bool:
@@ -173,12 +163,12 @@ def watch_once(
         if read_manifest(destination) is not None:
             results.append(dict(outcome, status="already exported"))
             continue
-        before = snapshot(source)
+        before = registry.snapshot(source)  # None: no completion marker yet
         if before is None:
             results.append(dict(outcome, status="incomplete"))
             continue
         time.sleep(settle_s)
-        if snapshot(source) != before:
+        if registry.snapshot(source) != before:
             results.append(dict(outcome, status="still being written"))
             continue
         if exclusive is None:

@@ -16,23 +16,19 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
-from dcp_writer import DcpJob, write_dcp_checkpoint, write_dcp_checkpoints
-from helpers import BUCKET, upload
-from rayexport.demo import sized_llama_config
 from rayexport.errors import ExportError
 from rayexport.job import export
-from rayexport.layouts.dcp import (
-    DCP_METADATA,
-    _chunk_is_finite,
-    assign_tensors,
-    find_dcp_checkpoint,
-    is_dcp_checkpoint,
-    read_tensors,
-    spool_offsets,
-)
+from rayexport.layouts.base import KeyMapping
+from rayexport.layouts.dcp import _chunk_is_finite, find_dcp_checkpoint, read_tensors, spool_offsets
+from rayexport.layouts.dcp_metadata import DCP_METADATA
+from rayexport.layouts.registry import detect_layout, snapshot
+from rayexport.plan.schedule import assign_by_bytes
 from rayexport.layouts.shards import ShardInfo
 from rayexport.scan import CHUNK_ELEMENTS
 from rayexport.storage import Store
+from support.checkpoints import DcpJob, write_dcp_checkpoint, write_dcp_checkpoints
+from support.helpers import BUCKET, upload
+from support.models import sized_llama_config
 
 MiB = 2**20
 BUCKET_SIZE = 8 * MiB
@@ -59,7 +55,7 @@ class Written:
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> dict[str, Written]:
     """One DCP checkpoint per variant, all saved by one set of 3 FSDP2 gloo ranks."""
-    from rayexport.demo import tiny_config
+    from support.models import tiny_config
 
     root = tmp_path_factory.mktemp("dcp")
     jobs = [
@@ -80,6 +76,11 @@ def stored_entries(path: str) -> dict:
 def copy_checkpoint(source: str, destination) -> str:
     shutil.copytree(source, destination, ignore=shutil.ignore_patterns("huggingface"))
     return str(destination)
+
+
+def assign_tensors(checkpoint, num_workers: int) -> list[list[str]]:
+    """The byte-balanced shares of a DCP checkpoint's tensors, as its layout spreads them."""
+    return assign_by_bytes({key: tensor.nbytes for key, tensor in checkpoint.tensors.items()}, num_workers)
 
 
 def assert_one_line_naming(error: pytest.ExceptionInfo, uri: str) -> None:
@@ -113,7 +114,7 @@ def test_rank_files_hold_uneven_fsdp2_shards(written):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_prefix_is_detected_and_training_state_skipped(written, name):
     store = Store(written[name].path)
-    assert is_dcp_checkpoint(store)
+    assert detect_layout(store).name == "dcp"
     checkpoint = find_dcp_checkpoint(store)
     assert checkpoint.prefix == written[name].prefix
     assert checkpoint.uri == store.uri
@@ -177,13 +178,13 @@ def test_read_tensors_returns_exactly_the_requested_tensors(written, name, tmp_p
     reference = written[name].reference
     seen = set()
     for keys in assign_tensors(checkpoint, 3):
-        tensors = read_tensors(store, checkpoint, keys, str(tmp_path))
+        tensors = read_tensors(checkpoint, keys, str(tmp_path))
         assert sorted(tensors) == sorted(keys)
         for key, tensor in tensors.items():
             assert tensor.dtype == reference[key].dtype and torch.equal(tensor, reference[key]), key
         seen.update(tensors)
     assert seen == set(reference)
-    assert read_tensors(store, checkpoint, [], str(tmp_path)) == {}
+    assert read_tensors(checkpoint, [], str(tmp_path)) == {}
 
 
 def test_read_tensors_from_s3(written, s3_endpoint, tmp_path):
@@ -191,12 +192,12 @@ def test_read_tensors_from_s3(written, s3_endpoint, tmp_path):
     for name in ("tied", "flat"):
         uri = upload(written[name].path, f"{root}/{name}")
         store = Store(uri, {"endpoint_url": s3_endpoint})
-        assert not store.is_local and is_dcp_checkpoint(store)
+        assert not store.is_local and detect_layout(store).name == "dcp"
         checkpoint = find_dcp_checkpoint(store)
         local = find_dcp_checkpoint(Store(written[name].path))
         assert (checkpoint.prefix, checkpoint.tensors, checkpoint.skipped) == (local.prefix, local.tensors, local.skipped)
         keys = ["model.norm.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"]
-        tensors = read_tensors(store, checkpoint, keys, str(tmp_path))
+        tensors = read_tensors(checkpoint, keys, str(tmp_path))
         assert sorted(tensors) == sorted(keys)
         for key in keys:
             assert torch.equal(tensors[key], written[name].reference[key]), key
@@ -204,7 +205,7 @@ def test_read_tensors_from_s3(written, s3_endpoint, tmp_path):
         assert os.path.getsize(tensors.path) == spool_offsets([checkpoint.tensors[key] for key in keys])[1]
     assert len(os.listdir(tmp_path)) == 2
     missing = Store(f"{root}/absent", {"endpoint_url": s3_endpoint})
-    assert not is_dcp_checkpoint(missing)
+    assert detect_layout(missing) is None
     with pytest.raises(ExportError) as error:
         find_dcp_checkpoint(missing)
     assert_one_line_naming(error, missing.uri)
@@ -230,7 +231,7 @@ def test_a_remote_share_fetches_only_its_chunks(written, s3_endpoint, tmp_path, 
     checkpoint = find_dcp_checkpoint(store)
     fetched.clear()
     keys = ["model.norm.weight", "model.embed_tokens.weight"]
-    tensors = read_tensors(store, checkpoint, keys, str(tmp_path))
+    tensors = read_tensors(checkpoint, keys, str(tmp_path))
     assert all(torch.equal(tensors[key], written["flat"].reference[key]) for key in keys)
     chunks = sum(len(stored_entries(written["flat"].path)[checkpoint.tensors[key].key].chunks) for key in keys)
     assert len(fetched) == chunks == 6
@@ -242,7 +243,7 @@ def test_missing_metadata_is_an_export_error(written, tmp_path):
     folder = copy_checkpoint(written["flat"].path, tmp_path / "ckpt")
     os.remove(os.path.join(folder, DCP_METADATA))
     store = Store(folder)
-    assert not is_dcp_checkpoint(store)
+    assert snapshot(store) is None  # not complete: a watcher waits for .metadata
     with pytest.raises(ExportError, match="no DCP metadata") as error:
         find_dcp_checkpoint(store)
     assert_one_line_naming(error, folder)
@@ -277,7 +278,8 @@ def test_metadata_pickle_is_refused_unless_unsafe_pickle(written, tmp_path):
     assert_one_line_naming(error, folder)
     assert not marker.exists()
     trusted = Store(written["tied"].path)
-    assert find_dcp_checkpoint(trusted, unsafe_pickle=True) == find_dcp_checkpoint(trusted)
+    unsafe = find_dcp_checkpoint(trusted, unsafe_pickle=True)
+    assert unsafe.unsafe_pickle and dataclasses.replace(unsafe, unsafe_pickle=False) == find_dcp_checkpoint(trusted)
 
 
 def test_prefix_without_tensors_is_an_export_error(written):
@@ -293,10 +295,10 @@ def test_missing_rank_file_or_unknown_key_is_an_export_error(written, tmp_path):
     checkpoint = find_dcp_checkpoint(store)
     os.remove(os.path.join(folder, "__1_0.distcp"))
     with pytest.raises(ExportError, match="__1_0.distcp") as error:
-        read_tensors(store, checkpoint, ["lm_head.weight"], str(tmp_path))
+        read_tensors(checkpoint, ["lm_head.weight"], str(tmp_path))
     assert_one_line_naming(error, folder)
     with pytest.raises(ExportError, match="no tensor 'optim.state'") as error:
-        read_tensors(store, checkpoint, ["optim.state"], str(tmp_path))
+        read_tensors(checkpoint, ["optim.state"], str(tmp_path))
     assert_one_line_naming(error, folder)
 
 
@@ -308,7 +310,7 @@ def test_spooled_tensors_are_mapped_and_checked_for_nan_and_inf(written, tmp_pat
     checkpoint = find_dcp_checkpoint(store)
     keys = ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"]
     embedding = written["flat"].reference["model.embed_tokens.weight"]
-    tensors = read_tensors(store, checkpoint, keys, str(tmp_path))
+    tensors = read_tensors(checkpoint, keys, str(tmp_path))
     assert tensors.mapped_ranges() and os.path.dirname(tensors.path) == str(tmp_path)
     assert tensors.describe()["model.embed_tokens.weight"] == ShardInfo(tuple(embedding.shape), "float32")
 
@@ -320,10 +322,31 @@ def test_spooled_tensors_are_mapped_and_checked_for_nan_and_inf(written, tmp_pat
     assert data.count(value) == 1
     with open(rank_file, "wb") as handle:
         handle.write(data.replace(value, torch.tensor(float("nan")).numpy().tobytes()))
-    described = read_tensors(store, checkpoint, keys, str(tmp_path)).describe()
+    described = read_tensors(checkpoint, keys, str(tmp_path)).describe()
     assert {key: info.finite for key, info in described.items()} == {
         "model.norm.weight": True, "model.embed_tokens.weight": False, "lm_head.weight": True,
     }
+
+
+class ReversedRows(KeyMapping):
+    """A layout whose stored keys carry `stored.` and whose embedding rows are stored reversed."""
+
+    def model_key(self, stored_key: str) -> str | None:
+        key = super().model_key(stored_key)
+        return None if key is None else key.replace("model.", "stored.", 1)
+
+    def transform(self, model_key: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.flip(0) if model_key == "stored.embed_tokens.weight" else tensor
+
+
+def test_a_layouts_key_mapping_renames_keys_and_rewrites_tensors_as_read(written, tmp_path):
+    checkpoint = find_dcp_checkpoint(Store(written["tied"].path), mapping=ReversedRows)
+    reference = written["tied"].reference
+    assert set(checkpoint.tensors) == {key.replace("model.", "stored.", 1) for key in reference}
+    keys = ["stored.embed_tokens.weight", "stored.norm.weight"]
+    tensors = read_tensors(checkpoint, keys, str(tmp_path))
+    assert torch.equal(tensors["stored.embed_tokens.weight"], reference["model.embed_tokens.weight"].flip(0))
+    assert torch.equal(tensors["stored.norm.weight"], reference["model.norm.weight"])
 
 
 def test_a_strided_chunk_is_checked_a_block_of_rows_at_a_time():

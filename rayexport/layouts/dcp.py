@@ -11,152 +11,134 @@ at about a chunk while it reads, and at the transfer window after.
 
 from __future__ import annotations
 
-import heapq
-import io
-import math
 import mmap
 import os
-import pickle
 import re
 import tempfile
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from rayexport.dtypes import dtype_name, dtype_of
-from rayexport.errors import ExportError, one_line
+from rayexport.errors import ExportError
+from rayexport.layouts.base import (
+    Advance, Checkpoint, KeyMapping, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
+)
+from rayexport.layouts.dcp_metadata import (
+    DCP_METADATA, NON_MODEL_NAMES, DcpTensor, describe_entry, detect_prefix, first_name, read_metadata, reason,
+    storage_reader, unwrap,
+)
 from rayexport.layouts.mapped import mapped_ranges, release_pages
 from rayexport.layouts.shards import ShardInfo
+from rayexport.plan.naming import model_names
+from rayexport.plan.schedule import assign_by_bytes, keep_ties_together
 from rayexport.scan import CHUNK_ELEMENTS, is_finite
 from rayexport.storage import Store
 
-DCP_METADATA = ".metadata"
 # Where tensors start in a worker's spool file: a multiple of every dtype's size.
 SPOOL_ALIGNMENT = 64
 _DISTCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-
-# accelerate's `save_state` (and transformers' Trainer and TRL under FSDP's sharded state dict)
-# writes each model as DCP in a folder of its own, beside `optimizer_<i>/`.
-ACCELERATE_MODEL_FOLDER = re.compile(r"^pytorch_model_fsdp_\d+$")
-
-# Top-level names of the non-model state that training loops save beside the model.
-NON_MODEL_NAMES = frozenset({
-    "optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "optimizer_states",
-    "lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "dataloader", "dataloaders",
-    "train_state", "trainer_state", "rng", "rng_state", "rng_states", "grad_scaler", "scaler",
-})
-# Where model state dicts are usually nested, most specific first; "" is a flat model state dict.
-MODEL_PREFIXES = ("model.", "app.model.", "state_dict.", "")
+HF_DIR = "huggingface"
 
 
 @dataclass(frozen=True)
-class DcpTensor:
-    """One model tensor of a DCP checkpoint, as its metadata describes it."""
+class DcpCheckpoint(Checkpoint):
+    """The model tensors of one DCP checkpoint directory; any reader can read any whole tensor."""
 
-    key: str  # as stored, prefix included
-    shape: tuple[int, ...]  # global shape
-    dtype: str  # torch dtype name without "torch."
-    nbytes: int
+    keys: KeyMapping = field(default_factory=KeyMapping)  # stored keys -> model keys
+    tensors: dict[str, DcpTensor] = field(default_factory=dict)  # by model key
+    unsafe_pickle: bool = False
+    spools_remote_files = False  # a worker reads ranges of remote files into a spool of its own
+
+    @property
+    def prefix(self) -> str:
+        return self.keys.prefix
+
+    def share(self, num_workers: int, aliases: dict[str, str], load: LoadStep) -> Loaded:
+        """Each worker reads a byte-balanced share of whole tensors, tied copies together, and
+        holds them as its own pseudo-rank."""
+        name_of = {key: name for name, key in model_names(self.tensors)[0].items()}
+        sizes = {key: tensor.nbytes for key, tensor in self.tensors.items()}
+        assignment = keep_ties_together(assign_by_bytes(sizes, num_workers), aliases, name_of)
+        rank_infos = load({worker: (worker, keys) for worker, keys in enumerate(assignment) if keys})
+        holders = {key: {rank: infos[key]} for rank, infos in rank_infos.items() for key in infos}
+        return Loaded(rank_infos, holders, {worker: worker for worker in range(num_workers)})
+
+    def part_bytes(self, part: tuple[int, list[str]]) -> int:
+        """The bytes of the tensors of `part` (pseudo-rank, model keys)."""
+        return sum(self.tensors[key].nbytes for key in part[1])
+
+    def read(self, part: tuple[int, list[str]], spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
+        """The whole tensors of `part` (pseudo-rank, model keys), read into this worker's spool."""
+        rank, keys = part
+        return {rank: read_tensors(self, keys, spool_dir)}
 
 
-@dataclass(frozen=True)
-class DcpCheckpoint:
-    """The model tensors of one DCP checkpoint directory."""
+class DcpLayout:
+    """PyTorch Distributed Checkpoint directories (FSDP2 loops, torchtitan, RL trainers' DCP saves)."""
 
-    uri: str
-    prefix: str  # stripped from stored keys to give model keys
-    tensors: dict[str, DcpTensor]  # by model key
-    skipped: list[str]  # stored keys that are not model tensors
-    world_size: int = 0  # ranks that saved it (from the .distcp file names)
-    has_hf_config: bool = False  # a huggingface/config.json beside it
-    lora_meta: dict | None = None
-    layout: str = "dcp"
+    name = "dcp"
 
+    def detect(self, store: Store, names: list[str]) -> bool:
+        return DCP_METADATA in names or any(_DISTCP_FILE.match(name) for name in names)
 
-def is_dcp_checkpoint(store: Store) -> bool:
-    """Whether `store` holds a DCP checkpoint, i.e. a `.metadata` file directly under it."""
-    return store.exists(DCP_METADATA)
+    def describe(self, store: Store, settings: SourceSettings) -> DcpCheckpoint:
+        return find_dcp_checkpoint(store, settings.key_prefix, unsafe_pickle=settings.unsafe_pickle)
+
+    def snapshot(self, store: Store, names: list[str]) -> dict[str, int] | None:
+        return marker_snapshot(store, names, DCP_METADATA)  # DCP writes .metadata last
 
 
-def find_dcp_checkpoint(store: Store, prefix: str | None = None, *, unsafe_pickle: bool = False) -> DcpCheckpoint:
+def find_dcp_checkpoint(
+    store: Store, prefix: str | None = None, *, unsafe_pickle: bool = False,
+    mapping: Callable[[str], KeyMapping] = KeyMapping,
+) -> DcpCheckpoint:
     """Describe the model tensors of the DCP checkpoint at `store` from its `.metadata`.
 
     `prefix` is the part of the stored keys to strip to get model keys ("model.", "app.model.",
-    "" ...; a missing final "." is added); by default it is detected from how the state dict was nested when saved. Optimizer,
+    "" ...; a missing final "." is added); by default it is detected from how the state dict was
+    nested when saved. `mapping` makes the layout's `KeyMapping` from the prefix. Optimizer,
     scheduler and other training state, and every non-tensor entry, go to `skipped`. Raises
     ExportError when `.metadata` is missing or unreadable, or no model tensor is found.
 
     `.metadata` is a pickle: it is unpickled allowing only the classes DCP metadata is made of,
     unless `unsafe_pickle`, which unpickles it as torch does, running any code it holds.
     """
-    metadata = _read_metadata(store, unsafe_pickle)
+    metadata = read_metadata(store, unsafe_pickle)
     entries = metadata.state_dict_metadata
     tensor_keys = [key for key, value in entries.items() if isinstance(value, TensorStorageMetadata)]
     if not tensor_keys:
         raise ExportError(f"DCP checkpoint '{store.uri}' holds no tensors")
     if prefix is None:
-        prefix = _detect_prefix(tensor_keys, metadata.planner_data, store.uri)
+        prefix = detect_prefix(tensor_keys, metadata.planner_data, store.uri)
     elif prefix and not prefix.endswith("."):
         prefix += "."
+    keys = mapping(prefix)
     tensors: dict[str, DcpTensor] = {}
     skipped = [key for key, value in entries.items() if not isinstance(value, TensorStorageMetadata)]
     for key in tensor_keys:
-        model_key = key[len(prefix):] if key.startswith(prefix) else None
-        if not model_key or _first_name(model_key) in NON_MODEL_NAMES:
+        model_key = keys.model_key(key)
+        if not model_key or first_name(model_key) in NON_MODEL_NAMES:
             skipped.append(key)
             continue
-        tensors[model_key] = _describe(store, key, entries[key])
+        tensors[model_key] = describe_entry(store, key, entries[key])
     if not tensors:
         raise ExportError(f"no model tensors under key prefix '{prefix}' in DCP checkpoint '{store.uri}'")
-    names = store.list()
-    ranks = {match.group(1) for match in map(_DISTCP_FILE.match, names) if match}
+    ranks = {match.group(1) for match in map(_DISTCP_FILE.match, store.list()) if match}
     return DcpCheckpoint(
-        uri=store.uri, prefix=prefix, tensors=tensors, skipped=sorted(skipped), world_size=len(ranks),
-        has_hf_config="config.json" in store.list("huggingface"),
+        store=store, world_size=len(ranks), layout="dcp",
+        hf_folder=store.child(HF_DIR),
+        skipped=sorted(skipped), keys=keys, tensors=tensors, unsafe_pickle=unsafe_pickle,
     )
 
 
-def accelerate_model_folder(store: Store) -> str | None:
-    """The model folder of an accelerate checkpoint at `store`: its one `pytorch_model_fsdp_<i>/`,
-    None where it holds none. Several (one per model) are refused, naming them."""
-    found = [name for name in store.folders() if ACCELERATE_MODEL_FOLDER.match(name)]
-    if len(found) > 1:
-        raise ExportError(
-            f"'{store.uri}' holds {len(found)} model checkpoints ({', '.join(found)}); pass the one to export as --src"
-        )
-    return found[0] if found else None
-
-
-def assign_tensors(checkpoint: DcpCheckpoint, num_workers: int) -> list[list[str]]:
-    """Split the model keys over `num_workers` workers with about equal bytes each.
-
-    Greedy largest-first onto the least loaded worker, ties broken by key and worker index, so
-    the same checkpoint always gets the same assignment. Each worker's keys are sorted.
-    """
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be at least 1, not {num_workers}")
-    loads = [(0, worker) for worker in range(num_workers)]
-    assigned: list[list[str]] = [[] for _ in range(num_workers)]
-    for key, tensor in sorted(checkpoint.tensors.items(), key=lambda item: (-item[1].nbytes, item[0])):
-        load, worker = heapq.heappop(loads)
-        assigned[worker].append(key)
-        heapq.heappush(loads, (load + tensor.nbytes, worker))
-    return [sorted(keys) for keys in assigned]
-
-
-def read_tensors(
-    store: Store, checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str, *, unsafe_pickle: bool = False
-) -> SpooledTensors:
+def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> SpooledTensors:
     """Read the whole tensors `keys` (model keys) into one local file in `spool_dir`, memory-mapped;
     return them keyed by model key, with whether each is finite.
 
@@ -167,19 +149,21 @@ def read_tensors(
     of the model; the spool is also a snapshot, which later passes read rather than the source.
     Whole rank files are never spooled: every FSDP rank file holds a slice of every tensor, so
     that would copy the whole checkpoint to each worker.
-    Tensor data is loaded with torch's weights-only unpickler; `unsafe_pickle` is
-    `find_dcp_checkpoint`'s, for `.metadata`.
+    Each tensor is then rewritten in place by the checkpoint's key mapping (`KeyMapping.transform`).
+    Tensor data is loaded with torch's weights-only unpickler; `.metadata` as
+    `find_dcp_checkpoint` read it.
     """
+    store = checkpoint.store
     unknown = [key for key in keys if key not in checkpoint.tensors]
     if unknown:
         raise ExportError(f"no tensor '{unknown[0]}' in DCP checkpoint '{store.uri}'")
     if not keys:
         return SpooledTensors({}, {}, None)
-    metadata = _read_metadata(store, unsafe_pickle)
+    metadata = read_metadata(store, checkpoint.unsafe_pickle)
     for key in keys:
         expected = checkpoint.tensors[key]
         entry = metadata.state_dict_metadata.get(expected.key)
-        if not isinstance(entry, TensorStorageMetadata) or _describe(store, expected.key, entry) != expected:
+        if not isinstance(entry, TensorStorageMetadata) or describe_entry(store, expected.key, entry) != expected:
             raise ExportError(f"tensor '{expected.key}' of DCP checkpoint '{store.uri}' changed since it was listed")
     wanted = [checkpoint.tensors[key] for key in keys]
     offsets, size = spool_offsets(wanted)
@@ -189,17 +173,27 @@ def read_tensors(
         state = {tensor.key: _view(spool, offset, tensor) for tensor, offset in zip(wanted, offsets)}
         finite = {tensor.key: True for tensor in wanted}
         _load_into(store, metadata, state, finite)
+        tensors = {key: _transformed(checkpoint.keys, key, state[tensor.key]) for key, tensor in zip(keys, wanted)}
     except BaseException:
         os.remove(path)
         raise
     return SpooledTensors(
-        {key: state[tensor.key] for key, tensor in zip(keys, wanted)},
+        tensors,
         {key: finite[tensor.key] for key, tensor in zip(keys, wanted)},
         path,
     )
 
 
-class SpooledTensors(Mapping):
+def _transformed(keys: KeyMapping, model_key: str, stored: torch.Tensor) -> torch.Tensor:
+    """`stored` (a view of the spool) rewritten in place as the model holds it."""
+    value = keys.transform(model_key, stored)
+    if value is not stored:
+        stored.copy_(value)
+    release_pages([_page_span(stored)])
+    return stored
+
+
+class SpooledTensors(SourceTensors):
     """A worker's share of a DCP checkpoint: whole tensors by model key, views of one spool file
     mapped into this process (read from disk only when touched), and whether each is finite."""
 
@@ -217,12 +211,13 @@ class SpooledTensors(Mapping):
     def __len__(self) -> int:
         return len(self.tensors)
 
-    def describe(self) -> dict[str, ShardInfo]:
+    def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
         """Every tensor as a plain, whole tensor, with the finiteness found while reading it."""
-        return {
-            key: ShardInfo(local_shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype), finite=self.finite[key])
-            for key, tensor in self.tensors.items()
-        }
+        infos = {}
+        for key, tensor in self.tensors.items():
+            infos[key] = ShardInfo(local_shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype), finite=self.finite[key])
+            advance(tensor.nbytes)
+        return infos
 
     def mapped_ranges(self) -> list[tuple[int, int]]:
         """The address ranges of the spool file's mapping, for `release_pages`."""
@@ -252,7 +247,7 @@ def _new_spool_file(spool_dir: str, size: int, uri: str) -> str:
     except OSError as error:
         os.remove(path)
         raise ExportError(
-            f"cannot make a {size}-byte spool file in '{spool_dir}' for DCP checkpoint '{uri}': {_reason(error)}"
+            f"cannot make a {size}-byte spool file in '{spool_dir}' for DCP checkpoint '{uri}': {reason(error)}"
         ) from None
     finally:
         os.close(handle)
@@ -276,14 +271,14 @@ def _load_into(store: Store, metadata: Metadata, state: dict[str, torch.Tensor],
         with warnings.catch_warnings():
             # load() warns that it assumes a single process when no process group exists: intended.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            reader = _reader(store, metadata)
+            reader = storage_reader(store, metadata)
             dcp.load(state, storage_reader=reader, planner=_WatchingPlanner(landed), no_dist=True)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - torch and storage clients raise many types
-        error = _unwrap(error)
+        error = unwrap(error)
         if isinstance(error, FileNotFoundError):
             missing = os.path.basename(str(error.filename or error.args[-1]))
             raise ExportError(f"DCP checkpoint '{store.uri}' is missing '{missing}'") from None
-        raise ExportError(f"cannot read DCP checkpoint '{store.uri}': {_reason(error)}") from None
+        raise ExportError(f"cannot read DCP checkpoint '{store.uri}': {reason(error)}") from None
 
 
 class _WatchingPlanner(DefaultLoadPlanner):
@@ -313,194 +308,3 @@ def _page_span(tensor: torch.Tensor) -> tuple[int, int]:
     return start - start % mmap.PAGESIZE, start + tensor.nbytes
 
 
-def _reader(store: Store, metadata: Metadata | None = None, unsafe_pickle: bool = False):
-    """torch's storage reader for `store`: plain files when local, fsspec otherwise.
-
-    Given `metadata`, the reader hands it to `load` instead of fetching `.metadata` again.
-    """
-    if store.is_local:
-        reader = _CheckedFileSystemReader(store.path())
-    else:
-        protocol = fsspec.core.split_protocol(store.uri)[0]
-        # The same options the Store opened its filesystem with, so fsspec reuses that instance.
-        options = store.options if protocol in ("s3", "s3a") else {}
-        reader = _CheckedFsspecReader(store.uri, **options)
-    reader.known_metadata = metadata
-    reader.unsafe_pickle = unsafe_pickle
-    return reader
-
-
-class _CheckedMetadataReading:
-    """torch's reader, but `.metadata` is read once and unpickled with an allow-list: torch's
-    own `read_metadata` is a bare `pickle.load`, which runs whatever code the file holds."""
-
-    known_metadata: Metadata | None = None
-    unsafe_pickle: bool = False
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if self.known_metadata is not None:
-            return self.known_metadata
-        if self.unsafe_pickle:
-            return super().read_metadata(*args, **kwargs)
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _CheckedFileSystemReader(_CheckedMetadataReading, FileSystemReader):
-    pass
-
-
-class _CheckedFsspecReader(_CheckedMetadataReading, FsspecReader):
-    def _slice_file(self, file, sinfo) -> io.BytesIO:
-        """One chunk's bytes, fetched with one ranged request through the filesystem of `file`
-        (an fsspec buffered file). torch reads a view of the open file instead, through fsspec's
-        read-ahead cache (50 MiB blocks on s3fs): each worker would fetch most of every rank file,
-        and hold a block beside each chunk."""
-        end = sinfo.offset + sinfo.length
-        return io.BytesIO(file.fs.cat_file(file.path, start=sinfo.offset, end=end))
-
-
-class _RefusedGlobal(Exception):
-    pass
-
-
-# Everything a `.metadata` written by torch's save planners refers to by name.
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    # where TensorProperties lived in checkpoints from older torch
-    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PurePath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-# storage_meta.checkpoint_id is the writer's Path; a concrete Path of the other OS cannot be
-# created here, and only its text matters.
-_PURE_PATHS = {"Path": "PurePath", "PosixPath": "PurePosixPath", "WindowsPath": "PureWindowsPath"}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module == "pathlib" and name in _PURE_PATHS:
-            name = _PURE_PATHS[name]
-        if name in _METADATA_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise _RefusedGlobal(f"{module}.{name}")
-
-
-def _read_metadata(store: Store, unsafe_pickle: bool = False) -> Metadata:
-    where = store.display(DCP_METADATA)
-    try:
-        metadata = _reader(store, unsafe_pickle=unsafe_pickle).read_metadata()
-    except FileNotFoundError:
-        raise ExportError(f"no DCP metadata file '{where}'") from None
-    except _RefusedGlobal as refused:
-        raise ExportError(
-            f"DCP metadata '{where}' refers to '{refused}', which DCP metadata never needs; "
-            "refusing to unpickle it (unsafe pickle loading runs such code: only for trusted checkpoints)"
-        ) from None
-    except Exception as error:  # noqa: BLE001 - unpickling a damaged file raises many types
-        raise ExportError(f"DCP metadata '{where}' cannot be read: {_reason(error)}") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise ExportError(f"'{where}' is not DCP metadata")
-    return metadata
-
-
-def _describe(store: Store, key: str, entry: TensorStorageMetadata) -> DcpTensor:
-    shape = tuple(int(size) for size in entry.size)
-    numel = math.prod(shape)
-    # load() leaves any part of a tensor that no chunk covers uninitialised, so check coverage
-    # here. Saved chunks do not overlap (replicas of one shard share offsets and are stored once),
-    # so the volumes of the distinct chunks add up to the tensor's.
-    distinct = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in entry.chunks}
-    covered = sum(math.prod(sizes) for _, sizes in distinct)
-    if covered != numel:
-        raise ExportError(
-            f"chunks of '{key}' in DCP checkpoint '{store.uri}' cover {covered} of {numel} elements"
-        )
-    dtype = entry.properties.dtype
-    return DcpTensor(key=key, shape=shape, dtype=dtype_name(dtype), nbytes=numel * dtype.itemsize)
-
-
-def _detect_prefix(tensor_keys: list[str], planner_data, uri: str) -> str:
-    """The model prefix of a checkpoint's tensor keys.
-
-    DCP flattens nested state dicts by joining keys with ".", so "model." + "model.norm.weight"
-    and a flat "model.norm.weight" cannot be told apart from the keys; the default save planner
-    records each key's original path in `planner_data`, which settles it. Without it, the keys
-    alone decide.
-    """
-    recorded = planner_data if isinstance(planner_data, dict) else {}
-    guessed = None
-    paths = []
-    for key in tensor_keys:
-        path = recorded.get(key)
-        if path is None or ".".join(map(str, path)) != key:
-            guessed = guessed or _guess_paths(tensor_keys)
-            path = guessed[key]
-        path = tuple(str(part) for part in path)
-        containers = path[:-1] if len(path) > 1 else (_first_name(key),)
-        if not any(_first_name(part) in NON_MODEL_NAMES for part in containers):
-            paths.append(path)
-    if not paths:
-        raise ExportError(f"DCP checkpoint '{uri}' holds no model tensors, only training state")
-    for prefix in MODEL_PREFIXES:
-        container = tuple(prefix.split(".")[:-1])
-        if container and any(len(path) > len(container) and path[: len(container)] == container for path in paths):
-            return prefix
-        if not container and any(len(path) == 1 for path in paths):
-            return prefix
-    roots = sorted({path[0] for path in paths if len(path) > 1})
-    if len(roots) == 1:
-        return roots[0] + "."
-    found = ", ".join(f"'{root}.'" for root in roots)
-    raise ExportError(f"cannot tell which state dict is the model in DCP checkpoint '{uri}' (prefixes: {found})")
-
-
-def _guess_paths(keys: list[str]) -> dict[str, tuple[str, ...]]:
-    """Each key's original nesting, guessed from the keys alone (no `planner_data`)."""
-    model_keys = [key for key in keys if _first_name(key) not in NON_MODEL_NAMES]
-    # Flat Hugging Face keys often all start with "model." too; only a doubled "model.model."
-    # (or "model.lm_head.") shows a nested {"model": state_dict}.
-    nested_model = all(key.startswith("model.") for key in model_keys) and any(
-        key.startswith(("model.model.", "model.lm_head.")) for key in model_keys
-    )
-    paths = {}
-    for key in keys:
-        for prefix in ("app.model.", "state_dict.") + (("model.",) if nested_model else ()):
-            if key.startswith(prefix):
-                paths[key] = (*prefix.split(".")[:-1], key[len(prefix):])
-                break
-        else:
-            first, _, rest = key.partition(".")
-            paths[key] = (first, rest) if first in NON_MODEL_NAMES and rest else (key,)
-    return paths
-
-
-def _unwrap(error: BaseException) -> BaseException:
-    """The first rank's own exception from a CheckpointException, which load() raises, even
-    without a process group, for any failure while planning or reading (and which derives from
-    BaseException, not Exception)."""
-    if isinstance(error, CheckpointException) and error.failures:
-        wrapped = next(iter(error.failures.values()))
-        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
-    return error
-
-
-def _first_name(key: str) -> str:
-    return key.split(".", 1)[0]
-
-
-def _reason(error: BaseException) -> str:
-    text = one_line(error)
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -1,19 +1,21 @@
-"""A Hugging Face model folder as a source of base weights (for LoRA-only checkpoints)."""
+"""A Hugging Face model folder as a source of base weights (for LoRA-only checkpoints): the
+exporter (worker 0) reads them as the pseudo-rank BASE_MODEL_RANK."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
-from rayexport.dtypes import TORCH_NAME_OF_CODE
+from rayexport.dtypes import TORCH_NAME_OF_CODE, nbytes
 from rayexport.errors import ExportError, one_line
+from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, SourceTensors
 from rayexport.layouts.shards import ShardInfo
+from rayexport.plan.pieces import BASE_MODEL_RANK
 from rayexport.storage import Store
-
 
 
 def weight_files(store: Store) -> list[str]:
@@ -27,7 +29,31 @@ def weight_files(store: Store) -> list[str]:
     raise ExportError(f"base model '{store.uri}' has no {SAFETENSORS_SINGLE_FILE} or {SAFETENSORS_INDEX_FILE}")
 
 
-class SafetensorsTensors(Mapping):
+@dataclass(frozen=True)
+class BaseModelFolder(Checkpoint):
+    """A base model's folder (`--base-model`), whole tensors in safetensors files."""
+
+    def share(self, num_workers: int, aliases: dict[str, str], load: LoadStep) -> Loaded:
+        """The exporter reads every tensor."""
+        rank_infos = load({0: None})
+        holders = {key: {BASE_MODEL_RANK: info} for key, info in rank_infos[BASE_MODEL_RANK].items()}
+        return Loaded(rank_infos, holders, {BASE_MODEL_RANK: 0})
+
+    def part_bytes(self, part: None) -> int:
+        """The bytes of the folder's weight files."""
+        return sum(self.store.size(name) for name in weight_files(self.store))
+
+    def read(self, part: None, spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
+        """The folder's tensors, memory-mapped (remote files spooled first)."""
+        return {BASE_MODEL_RANK: SafetensorsTensors(self.store, spool_dir)}
+
+
+def base_model_folder(store: Store) -> BaseModelFolder:
+    """The base model folder at `store` as a source of weights."""
+    return BaseModelFolder(store=store, world_size=1, layout="hf")
+
+
+class SafetensorsTensors(SourceTensors):
     """The tensors of an HF folder by name, memory-mapped, read only when asked for."""
 
     def __init__(self, store: Store, spool_dir: str) -> None:
@@ -56,12 +82,13 @@ class SafetensorsTensors(Mapping):
     def __len__(self) -> int:
         return len(self.file_of)
 
-    def describe(self) -> dict[str, ShardInfo]:
-        """Every tensor as a plain, whole tensor."""
+    def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
+        """Every tensor as a plain, whole tensor, from the files' headers."""
         infos = {}
         for key, name in self.file_of.items():
             sliced = self.handles[name].get_slice(key)
             dtype = TORCH_NAME_OF_CODE[sliced.get_dtype()]
             infos[key] = ShardInfo(local_shape=tuple(sliced.get_shape()), dtype=dtype)
+            advance(nbytes(infos[key].local_shape, dtype))
         return infos
 

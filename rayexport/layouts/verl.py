@@ -8,11 +8,16 @@ import pickle
 import re
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from rayexport.errors import ExportError
+from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot
+from rayexport.layouts.mapped import mapped_ranges
+from rayexport.layouts.shards import ShardInfo, describe_tensor, local_tensor
+from rayexport.plan.pieces import holders_from_ranks, needed_ranks
+from rayexport.plan.schedule import assign_ranks
 from rayexport.storage import Store
 
 log = logging.getLogger(__name__)
@@ -28,22 +33,85 @@ def rank_file_name(world_size: int, rank: int) -> str:
 
 
 @dataclass(frozen=True)
-class VerlCheckpoint:
-    """One verl checkpoint prefix (e.g. `.../global_step_100/actor`)."""
+class VerlCheckpoint(Checkpoint):
+    """One verl checkpoint prefix (e.g. `.../global_step_100/actor`): a rank file per rank,
+    each holding that rank's slice of every tensor."""
 
-    uri: str
-    world_size: int
-    fsdp_version: int | None
-    rank_files: tuple[str, ...]
-    has_hf_config: bool = True
-    lora_meta: dict | None = None
+    fsdp_version: int | None = None
+    rank_files: tuple[str, ...] = ()
+    unsafe_pickle: bool = False
 
-    @property
-    def layout(self) -> str:
-        return f"verl-fsdp{self.fsdp_version}" if self.fsdp_version else "verl-fsdp"
+    def share(self, num_workers: int, aliases: dict[str, str], load: LoadStep) -> Loaded:
+        """Rank 0's file (read by worker 0) tells which ranks hold data not found elsewhere
+        (HSDP replicas are skipped); those are spread over the workers, whole files each."""
+        rank_infos = load({0: [0]})
+        ranks = needed_ranks(rank_infos[0], self.world_size)
+        worker_of_rank = assign_ranks(ranks, num_workers)
+        rest: dict[int, list[int]] = {}
+        for rank in ranks[1:]:
+            rest.setdefault(worker_of_rank[rank], []).append(rank)
+        if rest:
+            rank_infos.update(load(rest))
+        return Loaded(rank_infos, holders_from_ranks(rank_infos), worker_of_rank)
+
+    def part_bytes(self, part: list[int]) -> int:
+        """The bytes of the rank files `part`."""
+        return sum(self.store.size(self.rank_files[rank]) for rank in part)
+
+    def read(self, part: list[int], spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
+        """The rank files `part`, memory-mapped (remote ones spooled to local disk first)."""
+        states: dict[int, SourceTensors] = {}
+        for rank in part:
+            state, path = load_rank_state(self.store, self.rank_files[rank], spool_dir, self.unsafe_pickle, spooled)
+            states[rank] = RankTensors(state, rank, path, os.path.getsize(path))
+        return states
 
 
-def find_verl_checkpoint(store: Store) -> VerlCheckpoint:
+class RankTensors(SourceTensors):
+    """One rank file's state dict, memory-mapped: (D)Tensors by key."""
+
+    def __init__(self, state: dict[str, torch.Tensor], rank: int, path: str, file_size: int) -> None:
+        self.state, self.rank, self.path, self.file_size = state, rank, path, file_size
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.state[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+    def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
+        """Each tensor's placement; `advance` gets each tensor's share of the file's bytes, so a
+        bar of the files' bytes ends at their size."""
+        scale = self.file_size / max(1, sum(local_tensor(value).nbytes for value in self.state.values()))
+        infos = {}
+        for key, value in self.state.items():
+            infos[key] = describe_tensor(value, self.rank)
+            advance(round(local_tensor(value).nbytes * scale))
+        return infos
+
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        return mapped_ranges(self.path)
+
+
+class VerlLayout:
+    """verl's FSDP layout (also SkyRL's FSDP backend)."""
+
+    name = "verl"
+
+    def detect(self, store: Store, names: list[str]) -> bool:
+        return any(RANK_FILE.match(name) for name in names)
+
+    def describe(self, store: Store, settings: SourceSettings) -> VerlCheckpoint:
+        return find_verl_checkpoint(store, settings.unsafe_pickle)
+
+    def snapshot(self, store: Store, names: list[str]) -> dict[str, int] | None:
+        return marker_snapshot(store, names, FSDP_CONFIG)  # verl writes fsdp_config.json last
+
+
+def find_verl_checkpoint(store: Store, unsafe_pickle: bool = False) -> VerlCheckpoint:
     """Describe the checkpoint at `store`, or raise naming what is missing or inconsistent."""
     if not store.exists():
         raise ExportError(f"source '{store.uri}' does not exist")
@@ -82,12 +150,14 @@ def find_verl_checkpoint(store: Store) -> VerlCheckpoint:
     if extra:
         raise ExportError(f"unexpected rank file '{store.display(ranks[extra[0]])}'")
     return VerlCheckpoint(
-        uri=store.uri,
+        store=store,
         world_size=world_size,
+        layout=f"verl-fsdp{fsdp_version}" if fsdp_version else "verl-fsdp",
+        hf_folder=store.child(HF_DIR),
+        lora_meta=store.read_json(LORA_META) if LORA_META in names else None,
         fsdp_version=fsdp_version,
         rank_files=tuple(ranks[rank] for rank in range(world_size)),
-        has_hf_config="config.json" in store.list(HF_DIR),
-        lora_meta=store.read_json(LORA_META) if LORA_META in names else None,
+        unsafe_pickle=unsafe_pickle,
     )
 
 

@@ -1,10 +1,11 @@
 """Scheduling: the output files (huggingface_hub's split rule, safetensors' order), which
-worker reads which rank files, and the buckets each writer gathers, in the order every worker
-steps through them. Pure functions.
+worker reads which rank files or tensors, and the buckets each writer gathers, in the order
+every worker steps through them. Pure functions.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -84,6 +85,21 @@ def assign_ranks(ranks: list[int], num_workers: int) -> dict[int, int]:
     ranks = sorted(ranks)
     per_worker = math.ceil(len(ranks) / num_workers)
     return {rank: position // per_worker for position, rank in enumerate(ranks)}
+
+
+def assign_by_bytes(sizes: dict[str, int], num_workers: int) -> list[list[str]]:
+    """Split the keys of `sizes` (key -> bytes) over `num_workers` workers with about equal bytes
+    each: greedy largest-first onto the least loaded worker, ties broken by key and worker index,
+    so the same checkpoint always gets the same assignment. Each worker's keys are sorted."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be at least 1, not {num_workers}")
+    loads = [(0, worker) for worker in range(num_workers)]
+    assigned: list[list[str]] = [[] for _ in range(num_workers)]
+    for key, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        load, worker = heapq.heappop(loads)
+        assigned[worker].append(key)
+        heapq.heappush(loads, (load + size, worker))
+    return [sorted(keys) for keys in assigned]
 
 
 def keep_ties_together(

@@ -1,0 +1,132 @@
+"""What every checkpoint layout provides (the `Layout` protocol) and what a described checkpoint
+offers the rest of the export (the `Checkpoint` protocol), so that `job`, `group`, `workers`,
+`model` and `watch` read any layout the same way. A new layout is one module implementing both,
+plus one line in `rayexport.layouts.registry`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from rayexport.layouts.shards import ShardInfo
+from rayexport.storage import Store
+
+# What one worker is asked to read: a layout's own description of its share (rank numbers,
+# tensor keys, ...), opaque to everything but that layout.
+Part = Any
+# One distributed step: each worker given a part reads it; returns what each (pseudo-)rank holds.
+LoadStep = Callable[[dict[int, Part]], dict[int, dict[str, ShardInfo]]]
+# Called as a worker goes through its share: bytes described so far (for its bar), and the
+# moment to give back the pages it has read.
+Advance = Callable[[int], Any]
+
+
+@dataclass(frozen=True)
+class KeyMapping:
+    """How a layout's stored keys become the model's keys: a stored key under `prefix` names
+    the model key after it (None: not a model tensor). A layout whose names differ from the
+    model's own subclasses it: `model_key` renames, and `transform` gives a whole tensor's exact
+    rewrite (a permutation of rows, say) as it is read; the default keeps every value."""
+
+    prefix: str = ""
+
+    def model_key(self, stored_key: str) -> str | None:
+        """The model key of `stored_key`, or None when it is not under the prefix."""
+        if not stored_key.startswith(self.prefix):
+            return None
+        return stored_key[len(self.prefix):] or None
+
+    def transform(self, model_key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor `model_key` as the model holds it, from the tensor as stored."""
+        return tensor
+
+
+class SourceTensors(Mapping):
+    """The tensors one (pseudo-)rank holds, by key, read only when touched."""
+
+    def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
+        """Every tensor's placement and finiteness, calling `advance` after each one."""
+        raise NotImplementedError
+
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        """The address ranges of the files these tensors map, for `release_pages`."""
+        return []
+
+
+@dataclass
+class Loaded:
+    """A checkpoint spread over the workers: what each (pseudo-)rank holds, the same per key,
+    and the worker holding each rank."""
+
+    rank_infos: dict[int, dict[str, ShardInfo]]
+    holders: dict[str, dict[int, ShardInfo]]
+    worker_of_rank: dict[int, int]
+
+
+@dataclass(frozen=True)
+class SourceSettings:
+    """The user's say in how a source is read: the stored keys' model prefix (None: detected,
+    where the layout nests state dicts), and whether pickles may run code (trusted input only)."""
+
+    key_prefix: str | None = None
+    unsafe_pickle: bool = False
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint as a layout found it: the facts every layout records (layouts add fields of
+    their own), how it is spread over the workers and how a worker reads its part."""
+
+    store: Store  # the folder the checkpoint's files are in
+    world_size: int
+    layout: str  # the name the report and the manifest give it, e.g. "verl-fsdp2"
+    hf_folder: Store | None = None  # where its trainer puts config and tokenizer (`huggingface/`), if anywhere
+    # config/tokenizer beside the checkpoint (a Trainer folder), used after --hf-config
+    nearby_hf_folder: Store | None = None
+    lora_meta: dict | None = None
+    skipped: list[str] = field(default_factory=list)  # stored entries that are not model tensors
+    spools_remote_files = True  # whether a worker copies a remote file to local disk to read it
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    def share(self, num_workers: int, aliases: dict[str, str], load: LoadStep) -> Loaded:
+        """Spread the checkpoint over `num_workers` workers with as many `load` steps as the
+        layout needs; `aliases` (tied names, model name -> canonical) must land together."""
+        raise NotImplementedError
+
+    def part_bytes(self, part: Part) -> int:
+        """The bytes a worker reads for `part`."""
+        raise NotImplementedError
+
+    def read(self, part: Part, spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
+        """In a worker: read `part`, spooling remote files under `spool_dir` (`spooled` gets
+        each count of bytes spooled); the tensors per (pseudo-)rank."""
+        raise NotImplementedError
+
+
+class Layout(Protocol):
+    """One way trainers lay checkpoints out on storage."""
+
+    name: str  # what --layout calls it
+
+    def detect(self, store: Store, names: list[str]) -> bool:
+        """Whether the folder `store`, whose files are `names`, holds a checkpoint of this layout."""
+
+    def describe(self, store: Store, settings: SourceSettings) -> Checkpoint:
+        """The checkpoint at `store`, or ExportError naming what is missing or inconsistent."""
+
+    def snapshot(self, store: Store, names: list[str]) -> dict[str, int] | None:
+        """The names and sizes of the checkpoint's files, for the watcher to see them settle;
+        None while the trainer has not written its completion marker yet."""
+
+
+def marker_snapshot(store: Store, names: list[str], marker: str) -> dict[str, int] | None:
+    """A `Layout.snapshot` for a layout whose trainer writes `marker` last, beside the files."""
+    if marker not in names:
+        return None
+    return {name: store.size(name) for name in names}

@@ -1,0 +1,235 @@
+"""A DCP checkpoint's `.metadata`, read safely: torch's storage readers (local files, or fsspec
+for a remote store) with `.metadata` unpickled from an allow-list, each stored tensor's
+description, and which stored keys are the model's."""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from dataclasses import dataclass
+
+import fsspec
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from rayexport.dtypes import dtype_name
+from rayexport.errors import ExportError, one_line
+from rayexport.storage import Store
+
+DCP_METADATA = ".metadata"
+
+# Top-level names of the non-model state that training loops save beside the model.
+NON_MODEL_NAMES = frozenset({
+    "optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "optimizer_states",
+    "lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "dataloader", "dataloaders",
+    "train_state", "trainer_state", "rng", "rng_state", "rng_states", "grad_scaler", "scaler",
+})
+# Where model state dicts are usually nested, most specific first; "" is a flat model state dict.
+MODEL_PREFIXES = ("model.", "app.model.", "state_dict.", "")
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    """One model tensor of a DCP checkpoint, as its metadata describes it."""
+
+    key: str  # as stored, prefix included
+    shape: tuple[int, ...]  # global shape
+    dtype: str  # torch dtype name without "torch."
+    nbytes: int
+
+
+def storage_reader(store: Store, metadata: Metadata | None = None, unsafe_pickle: bool = False):
+    """torch's storage reader for `store`: plain files when local, fsspec otherwise.
+
+    Given `metadata`, the reader hands it to `load` instead of fetching `.metadata` again.
+    """
+    if store.is_local:
+        reader = _CheckedFileSystemReader(store.path())
+    else:
+        protocol = fsspec.core.split_protocol(store.uri)[0]
+        # The same options the Store opened its filesystem with, so fsspec reuses that instance.
+        options = store.options if protocol in ("s3", "s3a") else {}
+        reader = _CheckedFsspecReader(store.uri, **options)
+    reader.known_metadata = metadata
+    reader.unsafe_pickle = unsafe_pickle
+    return reader
+
+
+class _CheckedMetadataReading:
+    """torch's reader, but `.metadata` is read once and unpickled with an allow-list: torch's
+    own `read_metadata` is a bare `pickle.load`, which runs whatever code the file holds."""
+
+    known_metadata: Metadata | None = None
+    unsafe_pickle: bool = False
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self.known_metadata is not None:
+            return self.known_metadata
+        if self.unsafe_pickle:
+            return super().read_metadata(*args, **kwargs)
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _CheckedFileSystemReader(_CheckedMetadataReading, FileSystemReader):
+    pass
+
+
+class _CheckedFsspecReader(_CheckedMetadataReading, FsspecReader):
+    def _slice_file(self, file, sinfo) -> io.BytesIO:
+        """One chunk's bytes, fetched with one ranged request through the filesystem of `file`
+        (an fsspec buffered file). torch reads a view of the open file instead, through fsspec's
+        read-ahead cache (50 MiB blocks on s3fs): each worker would fetch most of every rank file,
+        and hold a block beside each chunk."""
+        end = sinfo.offset + sinfo.length
+        return io.BytesIO(file.fs.cat_file(file.path, start=sinfo.offset, end=end))
+
+
+class _RefusedGlobal(Exception):
+    pass
+
+
+# Everything a `.metadata` written by torch's save planners refers to by name.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # where TensorProperties lived in checkpoints from older torch
+    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+# storage_meta.checkpoint_id is the writer's Path; a concrete Path of the other OS cannot be
+# created here, and only its text matters.
+_PURE_PATHS = {"Path": "PurePath", "PosixPath": "PurePosixPath", "WindowsPath": "PureWindowsPath"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "pathlib" and name in _PURE_PATHS:
+            name = _PURE_PATHS[name]
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _RefusedGlobal(f"{module}.{name}")
+
+
+def read_metadata(store: Store, unsafe_pickle: bool = False) -> Metadata:
+    where = store.display(DCP_METADATA)
+    try:
+        metadata = storage_reader(store, unsafe_pickle=unsafe_pickle).read_metadata()
+    except FileNotFoundError:
+        raise ExportError(f"no DCP metadata file '{where}'") from None
+    except _RefusedGlobal as refused:
+        raise ExportError(
+            f"DCP metadata '{where}' refers to '{refused}', which DCP metadata never needs; "
+            "refusing to unpickle it (unsafe pickle loading runs such code: only for trusted checkpoints)"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - unpickling a damaged file raises many types
+        raise ExportError(f"DCP metadata '{where}' cannot be read: {reason(error)}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ExportError(f"'{where}' is not DCP metadata")
+    return metadata
+
+
+def describe_entry(store: Store, key: str, entry: TensorStorageMetadata) -> DcpTensor:
+    shape = tuple(int(size) for size in entry.size)
+    numel = math.prod(shape)
+    # load() leaves any part of a tensor that no chunk covers uninitialised, so check coverage
+    # here. Saved chunks do not overlap (replicas of one shard share offsets and are stored once),
+    # so the volumes of the distinct chunks add up to the tensor's.
+    distinct = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in entry.chunks}
+    covered = sum(math.prod(sizes) for _, sizes in distinct)
+    if covered != numel:
+        raise ExportError(
+            f"chunks of '{key}' in DCP checkpoint '{store.uri}' cover {covered} of {numel} elements"
+        )
+    dtype = entry.properties.dtype
+    return DcpTensor(key=key, shape=shape, dtype=dtype_name(dtype), nbytes=numel * dtype.itemsize)
+
+
+def detect_prefix(tensor_keys: list[str], planner_data, uri: str) -> str:
+    """The model prefix of a checkpoint's tensor keys.
+
+    DCP flattens nested state dicts by joining keys with ".", so "model." + "model.norm.weight"
+    and a flat "model.norm.weight" cannot be told apart from the keys; the default save planner
+    records each key's original path in `planner_data`, which settles it. Without it, the keys
+    alone decide.
+    """
+    recorded = planner_data if isinstance(planner_data, dict) else {}
+    guessed = None
+    paths = []
+    for key in tensor_keys:
+        path = recorded.get(key)
+        if path is None or ".".join(map(str, path)) != key:
+            guessed = guessed or _guess_paths(tensor_keys)
+            path = guessed[key]
+        path = tuple(str(part) for part in path)
+        containers = path[:-1] if len(path) > 1 else (first_name(key),)
+        if not any(first_name(part) in NON_MODEL_NAMES for part in containers):
+            paths.append(path)
+    if not paths:
+        raise ExportError(f"DCP checkpoint '{uri}' holds no model tensors, only training state")
+    for prefix in MODEL_PREFIXES:
+        container = tuple(prefix.split(".")[:-1])
+        if container and any(len(path) > len(container) and path[: len(container)] == container for path in paths):
+            return prefix
+        if not container and any(len(path) == 1 for path in paths):
+            return prefix
+    roots = sorted({path[0] for path in paths if len(path) > 1})
+    if len(roots) == 1:
+        return roots[0] + "."
+    found = ", ".join(f"'{root}.'" for root in roots)
+    raise ExportError(f"cannot tell which state dict is the model in DCP checkpoint '{uri}' (prefixes: {found})")
+
+
+def _guess_paths(keys: list[str]) -> dict[str, tuple[str, ...]]:
+    """Each key's original nesting, guessed from the keys alone (no `planner_data`)."""
+    model_keys = [key for key in keys if first_name(key) not in NON_MODEL_NAMES]
+    # Flat Hugging Face keys often all start with "model." too; only a doubled "model.model."
+    # (or "model.lm_head.") shows a nested {"model": state_dict}.
+    nested_model = all(key.startswith("model.") for key in model_keys) and any(
+        key.startswith(("model.model.", "model.lm_head.")) for key in model_keys
+    )
+    paths = {}
+    for key in keys:
+        for prefix in ("app.model.", "state_dict.") + (("model.",) if nested_model else ()):
+            if key.startswith(prefix):
+                paths[key] = (*prefix.split(".")[:-1], key[len(prefix):])
+                break
+        else:
+            first, _, rest = key.partition(".")
+            paths[key] = (first, rest) if first in NON_MODEL_NAMES and rest else (key,)
+    return paths
+
+
+def unwrap(error: BaseException) -> BaseException:
+    """The first rank's own exception from a CheckpointException, which load() raises, even
+    without a process group, for any failure while planning or reading (and which derives from
+    BaseException, not Exception)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        wrapped = next(iter(error.failures.values()))
+        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return error
+
+
+def first_name(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
+def reason(error: BaseException) -> str:
+    text = one_line(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
