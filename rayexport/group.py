@@ -1,6 +1,6 @@
 """The export's workers on Ray: their placement (bundles, waits, the backend `placement` picks),
 start (or a warm pool's idle group), every distributed step with fail-fast waits (one dead
-worker ends the export at once), the verification task, and removal."""
+worker ends the export at once, see `rayexport.waits`), the consumer-check task, and removal."""
 
 from __future__ import annotations
 
@@ -8,25 +8,28 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from huggingface_hub import StateDictSplit
 
 from rayexport import spool
+from rayexport.assembly import assemble
 from rayexport.dtypes import nbytes
-from rayexport.errors import ExportError, one_line
-from rayexport.layouts.dcp import DcpCheckpoint, assign_tensors
-from rayexport.layouts.verl import VerlCheckpoint
+from rayexport.errors import ExportError
+from rayexport.layouts.base import Checkpoint, Loaded, Part
 from rayexport.options import ExportOptions
 from rayexport.placement import Devices, choose_devices, missing_resources
-from rayexport.plan.naming import TensorPlan, TensorPlanning, model_names
-from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, holders_from_ranks, needed_ranks
-from rayexport.plan.schedule import TransferPlan, assign_ranks, group_by_bytes, keep_ties_together
+from rayexport.plan.naming import TensorPlan, TensorPlanning
+from rayexport.plan.pieces import Piece
+from rayexport.plan.schedule import TransferPlan, group_by_bytes
 from rayexport.pool import IdleGroup, get_keeper, group_shape
 from rayexport.storage import Store
-from rayexport.transport import assemble
-from rayexport.verification import ExpectedExport, FileCheck
-from rayexport.workers import ExportWorker
+from rayexport.verification.consumers import run_consumer_checks
+from rayexport.waits import all_succeed, get_all, step_limit
+from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.files import FileCheck
+from rayexport.workers import ExportWorker, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -57,80 +60,18 @@ def _ensure_ray(options: ExportOptions) -> None:
         ray.init(include_dashboard=False, logging_level=options.log_level, log_to_driver=True)
 
 
-def step_limit(options: ExportOptions, job_deadline: float) -> tuple[float, str]:
-    """Seconds one step may take: --timeout, or less when the whole job's --deadline is nearer."""
-    remaining = job_deadline - time.monotonic()
-    deadline = f"--deadline {options.deadline_s:.0f} s for the whole export"
-    if remaining <= 0:
-        raise ExportError(f"export timed out: past its {deadline}")
-    if remaining < options.timeout_s:
-        return remaining, deadline
-    return options.timeout_s, "--timeout"
+@dataclass
+class Transferred:
+    """What the gather wrote: every file (size, sha256), each tensor's digest, and each
+    worker's stats (bytes, memory, where it ran, the files it wrote)."""
 
+    files: dict[str, dict[str, Any]]
+    tensor_digests: dict[str, str]
+    worker_stats: list[WorkerStats]
 
-def _actor_death(references: list, wait_s: float):
-    """The first RayActorError among `references` that arrives within `wait_s`, else None."""
-    import ray
-    from ray.exceptions import RayActorError
-
-    ready, _ = ray.wait(list(references), num_returns=len(references), timeout=wait_s)
-    for reference in ready:
-        try:
-            ray.get(reference, timeout=0)
-        except RayActorError as error:
-            return error
-        except Exception:  # noqa: BLE001 - other failures are reported by the caller
-            continue
-    return None
-
-
-def _all_succeed(references: list, wait_s: float) -> bool:
-    """Whether every reference finishes without error within `wait_s` seconds."""
-    import ray
-
-    done, _ = ray.wait(references, num_returns=len(references), timeout=wait_s)
-    try:
-        ray.get(done, timeout=0)
-    except Exception:  # noqa: BLE001 - a dead actor, a failed call: not done
-        return False
-    return len(done) == len(references)
-
-
-def _get(references: list, limit: tuple[float, str], on_failure) -> list:
-    """Wait for every reference; on the first error or when the step's time `limit` (seconds,
-    and the option that set it) runs out, call `on_failure` and raise, so one dead worker ends
-    the export at once instead of leaving others blocked."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-    timeout_s, source = limit
-    deadline = time.monotonic() + timeout_s
-    pending = list(references)
-    try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise GetTimeoutError(f"no answer within {timeout_s:.0f} s ({source})")
-            ray.get(ready[0])
-        return ray.get(list(references))
-    except RayTaskError as error:
-        cause = error.cause
-        if isinstance(cause, ExportError):
-            on_failure()
-            raise type(cause)(*cause.args) from None
-        # A worker whose peer died fails its collective ("connection closed by peer") and may
-        # answer before the dead worker's own error does: name the death when it follows.
-        died = _actor_death(references, wait_s=5)
-        on_failure()
-        if died is not None:
-            raise ExportError(f"an export worker died: {died}".splitlines()[0]) from None
-        raise ExportError(f"an export worker failed: {type(cause).__name__}: {one_line(cause)}") from None
-    except RayActorError as error:
-        on_failure()
-        raise ExportError(f"an export worker died: {error}".splitlines()[0]) from None
-    except GetTimeoutError as error:
-        on_failure()
-        raise ExportError(f"export timed out: {error}") from None
+    @property
+    def bytes_written(self) -> int:
+        return sum(record["size"] for record in self.files.values())
 
 
 class WorkerGroup:
@@ -157,16 +98,17 @@ class WorkerGroup:
         return cls(size, devices, options, job_deadline)
 
     @staticmethod
-    def reload(destination: Store, expected: ExpectedExport, options: ExportOptions, job_deadline: float) -> dict[str, Any]:
-        """Reload the written export in a separate Ray task (see `rayexport.reload_check`)."""
+    def consumer_checks(
+        destination: Store, expected: ExpectedExport, options: ExportOptions, job_deadline: float
+    ) -> dict[str, dict[str, Any]]:
+        """Run the consumer checks (the reload, see `rayexport.verification.consumers`) on the
+        written export in a separate Ray task; each one's result by its name."""
         import ray
 
-        from rayexport.reload_check import check_reload
-
-        task = ray.remote(num_cpus=1, max_retries=0)(check_reload)
+        task = ray.remote(num_cpus=1, max_retries=0)(run_consumer_checks)
         limit = step_limit(options, job_deadline)
         reference = task.remote(destination, expected, limit[0], options.memory_bound_bytes)
-        return _get([reference], limit, on_failure=lambda: ray.cancel(reference, force=True))[0]
+        return get_all([reference], limit, on_failure=lambda: ray.cancel(reference, force=True))[0]
 
     def __init__(self, size: int, devices: Devices, options: ExportOptions, job_deadline: float) -> None:
         self.job_deadline = job_deadline
@@ -256,58 +198,16 @@ class WorkerGroup:
             + missing_resources(bundle, self.size, ray.available_resources(), ray.cluster_resources())
         )
 
-    def load(self, source: Store, checkpoint: VerlCheckpoint, ranks_by_worker: dict[int, list[int]]) -> dict:
-        references = [
-            self.actors[worker].load.remote(source, checkpoint, ranks, self.options.unsafe_pickle)
-            for worker, ranks in ranks_by_worker.items() if ranks
-        ]
-        infos: dict = {}
-        for part in self._get(references):
-            infos.update(part)
-        return infos
+    def load(self, checkpoint: Checkpoint, aliases: dict[str, str]) -> Loaded:
+        """Have the workers read their share of `checkpoint`, as its layout spreads it (see
+        `Checkpoint.share`); `aliases` are the model's tied names, read together."""
+        def step(parts: dict[int, Part]) -> dict:
+            infos: dict = {}
+            for part in self._get([self.actors[worker].load.remote(checkpoint, part) for worker, part in parts.items()]):
+                infos.update(part)
+            return infos
 
-    def load_checkpoint(
-        self, source: Store, checkpoint: VerlCheckpoint | DcpCheckpoint, aliases: dict[str, str]
-    ) -> tuple[dict, dict, dict[int, int]]:
-        """Have the workers load their share of the checkpoint. Returns what each (pseudo-)rank
-        holds, the same per key, and which worker holds each rank.
-
-        verl: rank 0's file (on worker 0) tells which ranks hold data not found elsewhere (HSDP
-        replicas are skipped); those are spread over the workers. DCP: each worker reads a
-        byte-balanced share of whole tensors, tied copies together."""
-        if isinstance(checkpoint, DcpCheckpoint):
-            name_of = {key: name for name, key in model_names(checkpoint.tensors)[0].items()}
-            assignment = keep_ties_together(assign_tensors(checkpoint, self.size), aliases, name_of)
-            rank_infos = self.load_dcp(source, checkpoint, assignment)
-            worker_of_rank = {worker: worker for worker in range(self.size)}
-            holders = {key: {rank: infos[key]} for rank, infos in rank_infos.items() for key in infos}
-        else:
-            rank_infos = self.load(source, checkpoint, {0: [0]})
-            ranks = needed_ranks(rank_infos[0], checkpoint.world_size)
-            worker_of_rank = assign_ranks(ranks, self.size)
-            rest: dict[int, list[int]] = {}
-            for rank in ranks[1:]:
-                rest.setdefault(worker_of_rank[rank], []).append(rank)
-            rank_infos.update(self.load(source, checkpoint, rest))
-            holders = holders_from_ranks(rank_infos)
-        worker_of_rank[BASE_MODEL_RANK] = 0
-        return rank_infos, holders, worker_of_rank
-
-    def load_dcp(self, source: Store, checkpoint: DcpCheckpoint, keys_by_worker: list[list[str]]) -> dict:
-        """Each worker reads its share of a DCP checkpoint's tensors; returns their descriptions
-        keyed by worker (each worker is the pseudo-rank of what it read)."""
-        references = [
-            self.actors[worker].load_dcp.remote(source, checkpoint, keys, self.options.unsafe_pickle)
-            for worker, keys in enumerate(keys_by_worker) if keys
-        ]
-        infos: dict = {}
-        for part in self._get(references):
-            infos.update(part)
-        return infos
-
-    def load_base_model(self, base_model: Store) -> dict:
-        """The exporter opens the base model's safetensors; returns their descriptions."""
-        return self._get([self.actors[0].load_base_model.remote(base_model)])[0]
+        return checkpoint.share(self.size, aliases, step)
 
     def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
         """Max |canonical - alias| per pair of source keys, over every worker that holds both;
@@ -370,20 +270,18 @@ class WorkerGroup:
 
     def transfer(
         self, transfer: TransferPlan, plans: dict, split: StateDictSplit, destination: Store, carried: dict[str, bytes]
-    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    ) -> Transferred:
         """Run the gather: every worker sends its pieces and writes its files; worker 0 also
-        writes the index and the carried files. Returns (every file and tensor digest, stats
-        per worker)."""
+        writes the index and the carried files."""
         results = self._get([
             actor.transfer.remote(transfer, plans, destination, split if index == 0 else None, carried if index == 0 else {})
             for index, actor in enumerate(self.actors)
         ])
-        merged: dict[str, Any] = {"files": {}, "tensor_digests": {}}
+        merged = Transferred(files={}, tensor_digests={}, worker_stats=[result.stats for result in results])
         for result in results:
-            result["files_written"] = sorted(result["files"])
-            merged["files"].update(result.pop("files"))
-            merged["tensor_digests"].update(result.pop("tensor_digests"))
-        return merged, results
+            merged.files.update(result.files)
+            merged.tensor_digests.update(result.tensor_digests)
+        return merged
 
     def check_files(self, destination: Store, expected: ExpectedExport, files_by_worker: dict[int, list[str]]) -> list[FileCheck]:
         """Each worker re-reads the files it wrote, all at once (see `ExportWorker.check_files`)."""
@@ -392,12 +290,10 @@ class WorkerGroup:
         ])
         return [check for checks in answers for check in checks]
 
-    def memory(self) -> list[dict[str, Any]]:
-        """Each worker's peak memory and working memory so far (after the verification too)."""
-        return [
-            {key: stats[key] for key in ("worker", "peak_rss_bytes", "working_memory_bytes")}
-            for stats in self._get([actor.stats.remote() for actor in self.actors])
-        ]
+    def update_memory(self, worker_stats: list[WorkerStats]) -> None:
+        """Bring each worker's peak and working memory up to now (after the verification too)."""
+        for stats, now in zip(worker_stats, self._get([actor.stats.remote() for actor in self.actors])):
+            stats.peak_rss_bytes, stats.working_memory_bytes = now.peak_rss_bytes, now.working_memory_bytes
 
     def shutdown(self, graceful: bool = True) -> None:
         """Remove the actors (letting them leave the group and drop spooled files when
@@ -415,7 +311,7 @@ class WorkerGroup:
                 return
         spool_left = bool(self.actors)
         if graceful and self.actors:
-            spool_left = not _all_succeed([actor.close.remote() for actor in self.actors], wait_s=30)
+            spool_left = not all_succeed([actor.close.remote() for actor in self.actors], wait_s=30)
         nodes = self._worker_nodes() if spool_left else set()
         for actor in self.actors:
             with contextlib.suppress(Exception):
@@ -459,4 +355,4 @@ class WorkerGroup:
         log.info("removed %d bytes of spooled files on %d node(s); %d node(s) did not answer", freed, len(done), len(pending))
 
     def _get(self, references: list) -> list:
-        return _get(references, step_limit(self.options, self.job_deadline), on_failure=lambda: self.shutdown(graceful=False))
+        return get_all(references, step_limit(self.options, self.job_deadline), on_failure=lambda: self.shutdown(graceful=False))

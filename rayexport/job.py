@@ -1,4 +1,6 @@
-"""Orchestration: plan on the driver, run the worker actors, verify in a separate task, commit.
+"""Orchestration: the export as its steps, around an `ExportPlan`: plan on the driver (while the
+workers start), load, plan the output, transfer, verify the files, run the consumer checks in a
+separate task, commit, report.
 
 Any failure kills every actor, removes the placement group, and leaves DST without a manifest.
 """
@@ -9,44 +11,74 @@ import contextlib
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from rayexport.dtypes import nbytes
 from rayexport.errors import ExportError
-from rayexport.group import WorkerGroup
-from rayexport.layouts.dcp import DcpCheckpoint, accelerate_model_folder, find_dcp_checkpoint, is_dcp_checkpoint
-from rayexport.layouts.verl import RANK_FILE, VerlCheckpoint, find_verl_checkpoint
+from rayexport.group import Transferred, WorkerGroup
+from rayexport.layouts.base import Checkpoint, Loaded, SourceSettings
+from rayexport.layouts.hf import base_model_folder
+from rayexport.layouts.registry import find_checkpoint
+from rayexport.levels import resolved, runs_checks
+from rayexport.lora import ADAPTER_WEIGHTS
 from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
 from rayexport.memory import peak_rss_bytes
-from rayexport.model import describe_model, generated_files, hf_folder
+from rayexport.model import ModelDescription, describe_model, generated_files, hf_folder
 from rayexport.options import ExportOptions
 from rayexport.plan.formats import ModelFormats
-from rayexport.plan.naming import LoraRequest, TensorPlanning, choose_dtype, plan_holdings
-from rayexport.plan.schedule import ShardFile, plan_shard_files, plan_transfer, safetensors_order
-from rayexport.report import ExportReport
+from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, plan_holdings
+from rayexport.plan.schedule import ShardFile, TransferPlan, plan_shard_files, plan_transfer, safetensors_order
+from rayexport.report import ExportReport, timed_stage
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.ties import check_tied_values
-from rayexport.lora import ADAPTER_WEIGHTS
-from rayexport.verification import ExpectedExport, conclude
+from rayexport.verification.consumers import consumer_warnings
+from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.outcome import verification_outcome
+from rayexport.verification.structure import conclude
+from rayexport.workers import WorkerStats
 
 log = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def _stage(seconds: dict[str, float], name: str) -> Iterator[dict[str, int]]:
-    """Time one stage into `seconds`; the body may set `moved["bytes"]`, and a stage that ends
-    well logs one line: its bytes, seconds and rate."""
-    started = time.perf_counter()
-    moved: dict[str, int] = {}
-    try:
-        yield moved
-    finally:
-        seconds[name] = round(time.perf_counter() - started, 3)
-    if "bytes" in moved:
-        rate = moved["bytes"] / max(seconds[name], 1e-3)
-        log.info("%s: %.2f GB in %.1f s (%.0f MB/s)", name, moved["bytes"] / 1e9, seconds[name], rate / 1e6)
-    else:
-        log.info("%s: %.1f s", name, seconds[name])
+@dataclass
+class ExportPlan:
+    """What the driver knows before any worker reads: where from and to, the checkpoint as its
+    layout describes it, the options, the deadline, and each stage's seconds so far."""
+
+    options: ExportOptions
+    destination: Store
+    checkpoint: Checkpoint
+    base_model: Store | None
+    job_deadline: float
+    existing: dict[str, Any] | None = None  # the manifest of an export already at DST
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def source(self) -> Store:
+        return self.checkpoint.store
+
+
+@dataclass
+class Source:
+    """The checkpoint as the workers hold it, and the base model folder's tensors (LoRA-only)."""
+
+    loaded: Loaded
+    base_infos: dict | None
+    finite: bool  # False: the checkpoint itself holds NaN/Inf (exported with a warning)
+
+
+@dataclass
+class OutputPlan:
+    """The export's tensors, dtype, files and the gather that writes them."""
+
+    planning: TensorPlanning
+    untied: frozenset[str]  # tied aliases kept as tensors of their own (--untie)
+    dtype: str | None
+    dtype_reason: str
+    by_name: dict[str, TensorPlan]
+    split: Any  # huggingface_hub's StateDictSplit of the model's files, for the index
+    transfer: TransferPlan
 
 
 def export(src: str, dst: str, **options: Any) -> ExportReport:
@@ -60,165 +92,180 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
     `group_type` runs the workers and the verification some other way than on Ray (a
     `WorkerGroup` subclass; benchmarks/gpu_check.py uses local processes)."""
     group_type = group_type or WorkerGroup
-    seconds: dict[str, float] = {}
-    job_deadline = time.monotonic() + options.deadline_s
-    storage_options = storage_options_from_env(options.storage_options)
-    source = Store(options.src, storage_options)
-    destination = Store(options.dst, storage_options)
-    base_model = Store(options.base_model, storage_options) if options.base_model else None
-    with _stage(seconds, "plan"):
-        _check_destination(source, destination)
-        trainer_folder = source
-        source, checkpoint = find_checkpoint(source, options)
-        existing = read_manifest(destination)
-        if existing is not None:
-            if _same_export(existing, checkpoint, options) and not options.force:
-                return _already_committed(options, checkpoint, existing)
-            if not options.force:
-                raise ExportError(
-                    f"'{destination.uri}' already holds a committed export of "
-                    f"{existing.get('source')} with other options; pass --force to replace it"
-                )
-        # The rest of planning runs in a thread while Ray, the actors and their process group
-        # start here (Ray's signal handlers need the main thread).
-        describing = _in_background(
-            _prepare, destination, existing is not None, source, trainer_folder, checkpoint, base_model, options, storage_options
-        )
-    with _stage(seconds, "start_workers"):
-        try:
-            group = _start_group(group_type, options, checkpoint.world_size, job_deadline)
-        except BaseException:
-            with contextlib.suppress(BaseException):  # the start's error is the one to report
-                describing.result()
-            raise
-    num_workers = group.size
+    plan = plan_export(options)
+    if plan.existing is not None and not options.force:
+        return _already_committed(plan)
+    # The rest of planning runs in a thread while Ray, the actors and their process group
+    # start here (Ray's signal handlers need the main thread).
+    describing = _in_background(_prepare, plan)
+    with timed_stage(plan.seconds, "start_workers"):
+        group = _start_group(group_type, plan, describing)
     try:
-        with _stage(seconds, "describe_model"):  # what is left of it once the workers are up
+        with timed_stage(plan.seconds, "describe_model"):  # what is left of it once the workers are up
             model = describing.result()
-        formats = model["formats"]
-        with _stage(seconds, "load") as moved:
-            all_aliases = {**formats.memory.aliases, **formats.disk.aliases}
-            rank_infos, holders, worker_of_rank = group.load_checkpoint(source, checkpoint, all_aliases)
-            base_infos = group.load_base_model(base_model) if base_model else None
-            moved["bytes"] = sum(nbytes(info.local_shape, info.dtype) for infos in rank_infos.values() for info in infos.values())
-        source_finite = _check_finite(rank_infos, options.strict)
-        lora = LoraRequest(
-            options.lora, checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora},
-            model["fan_in_fan_out"],
-        )
-        dtype, dtype_reason = choose_dtype(options.dtype, model["config_dtype"])
-        log.info("writing %s tensors: %s", dtype, dtype_reason)
-
-        def plan(untied: frozenset[str]) -> TensorPlanning:
-            return plan_holdings(holders, formats, options.format, dtype, lora, base_infos, untied)
-
-        planning, untied = _plan_ties(plan, group, options.untie)
-        if planning.naming != planning.format:
-            log.info("converting the checkpoint's %s names to the %s format", planning.naming, planning.format)
-        shard_files, split = plan_shard_files(planning.tensors, options.max_shard_size)
-        adapter_files = [ShardFile(ADAPTER_WEIGHTS, tuple(plan.name for plan in safetensors_order(planning.adapters)))] if planning.adapters else []
-        by_name = {plan.name: plan for plan in planning.tensors + planning.adapters}
-        transfer = plan_transfer(
-            shard_files + adapter_files, by_name, worker_of_rank, num_workers, options.bucket_size, options.writers
-        )
-        level = "full" if options.verify == "auto" else options.verify
-        source_pieces = group.source_pieces(planning, worker_of_rank) if level != "none" else {}
-        carried = {**model["carried"], **generated_files(model["config"], planning, bool(untied), options)}
-        with _stage(seconds, "transfer") as moved:
-            result, worker_stats = group.transfer(transfer, by_name, split, destination, carried)
-            moved["bytes"] = sum(record["size"] for record in result["files"].values())
-        tensors = {
-            plan.name: {"dtype": plan.dtype, "shape": list(plan.shape), "sha256": result["tensor_digests"][plan.name]}
-            for plan in by_name.values()
-        }
-        expected = ExpectedExport(
-            files=result["files"], tensors=tensors, tied=_tied_pairs(formats, planning, untied), adapter=bool(planning.adapters),
-            pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code, format=planning.format,
-            source_finite=source_finite,
-        )
-        with _stage(seconds, "verify_files") as moved:
-            checks = verify_files(group, destination, expected, worker_stats)
-            moved["bytes"] = checks["files"]["bytes_read"] if checks else 0
-        for stats, memory in zip(worker_stats, group.memory()):  # the peaks, verification included
-            stats.update(memory)
+        source = _load(plan, group, model)
+        output = _plan_output(plan, group, model, source)
+        expected, written, checks = _write_and_check(plan, group, model, source, output)
     except BaseException:
         group.shutdown(graceful=False)  # a failed export's workers are removed, never pooled
         raise
     group.shutdown()
-
-    with _stage(seconds, "reload"):
-        verification = _with_reload(checks, group_type, destination, expected, options, job_deadline)
+    with timed_stage(plan.seconds, "reload"):
+        verification = _with_consumer_checks(checks, group_type, plan, expected)
     # measurements, not properties of the export: the report has them, the manifest does not
     reload = verification.get("checks", {}).get("reload", {})
-    reload_peak, reload_start = reload.pop("peak_rss_bytes", None), reload.pop("startup_rss_bytes", None)
+    reload_memory = reload.pop("peak_rss_bytes", None), reload.pop("startup_rss_bytes", None)
     manifest = build_manifest(
-        source=source.uri,
-        layout=checkpoint.layout,
-        world_size=checkpoint.world_size,
-        options=options.recorded(),
-        expected=expected.to_manifest(),
-        verification=verification,
+        source=plan.source.uri, layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size,
+        options=options.recorded(), expected=expected.to_manifest(), verification=verification,
     )
-    with _stage(seconds, "commit"):
-        commit(destination, manifest)
+    with timed_stage(plan.seconds, "commit"):
+        commit(plan.destination, manifest)
+    return _report(plan, group, output, written, verification, reload_memory)
+
+
+def plan_export(options: ExportOptions) -> ExportPlan:
+    """The driver's first step: find the checkpoint (its layout) and what DST already holds;
+    refuse a destination inside the source, or a committed export of other options without
+    --force."""
+    job_deadline = time.monotonic() + options.deadline_s
+    storage_options = storage_options_from_env(options.storage_options)
+    source = Store(options.src, storage_options)
+    destination = Store(options.dst, storage_options)
+    seconds: dict[str, float] = {}
+    with timed_stage(seconds, "plan"):
+        _check_destination(source, destination)
+        checkpoint = find_checkpoint(source, options.layout, SourceSettings(options.dcp_prefix, options.unsafe_pickle))
+        existing = read_manifest(destination)
+        if existing is not None and not options.force and not _same_export(existing, checkpoint, options):
+            raise ExportError(
+                f"'{destination.uri}' already holds a committed export of "
+                f"{existing.get('source')} with other options; pass --force to replace it"
+            )
+    base_model = Store(options.base_model, storage_options) if options.base_model else None
+    return ExportPlan(options, destination, checkpoint, base_model, job_deadline, existing, seconds)
+
+
+def _load(plan: ExportPlan, group: WorkerGroup, model: ModelDescription) -> Source:
+    """The workers read their share of the checkpoint (tied copies together) and, for a
+    LoRA-only checkpoint, the exporter the base model's weights."""
+    with timed_stage(plan.seconds, "load") as moved:
+        loaded = group.load(plan.checkpoint, {**model.formats.memory.aliases, **model.formats.disk.aliases})
+        moved["bytes"] = sum(
+            nbytes(info.local_shape, info.dtype) for infos in loaded.rank_infos.values() for info in infos.values()
+        )
+        base_infos = None
+        if plan.base_model is not None:
+            base = group.load(base_model_folder(plan.base_model), {})
+            (base_infos,) = base.rank_infos.values()
+            loaded.worker_of_rank.update(base.worker_of_rank)
+    return Source(loaded, base_infos, _check_finite(loaded.rank_infos, plan.options.strict))
+
+
+def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, source: Source) -> OutputPlan:
+    """Match the checkpoint to the model (names, ties, LoRA, dtype) and plan the files and the
+    gather that writes them."""
+    options = plan.options
+    lora = LoraRequest(
+        options.lora, plan.checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora},
+        model.fan_in_fan_out,
+    )
+    dtype, dtype_reason = choose_dtype(options.dtype, model.config_dtype)
+    log.info("writing %s tensors: %s", dtype, dtype_reason)
+
+    def plan_tensors(untied: frozenset[str]) -> TensorPlanning:
+        return plan_holdings(source.loaded.holders, model.formats, options.format, dtype, lora, source.base_infos, untied)
+
+    planning, untied = _plan_ties(plan_tensors, group, options.untie)
+    if planning.naming != planning.format:
+        log.info("converting the checkpoint's %s names to the %s format", planning.naming, planning.format)
+    shard_files, split = plan_shard_files(planning.tensors, options.max_shard_size)
+    adapter_files = [
+        ShardFile(ADAPTER_WEIGHTS, tuple(tensor.name for tensor in safetensors_order(planning.adapters)))
+    ] if planning.adapters else []
+    by_name = {tensor.name: tensor for tensor in planning.tensors + planning.adapters}
+    transfer = plan_transfer(
+        shard_files + adapter_files, by_name, source.loaded.worker_of_rank, group.size, options.bucket_size, options.writers
+    )
+    return OutputPlan(planning, untied, dtype, dtype_reason, by_name, split, transfer)
+
+
+def _write_and_check(
+    plan: ExportPlan, group: WorkerGroup, model: ModelDescription, source: Source, output: OutputPlan
+) -> tuple[ExpectedExport, Transferred, dict[str, Any] | None]:
+    """Record the source pieces' digests, run the gather that writes every file, and have each
+    writer re-read what it wrote. Returns what the export must hold, what was written, and the
+    file checks' numbers (None with --verify none)."""
+    options, planning = plan.options, output.planning
+    level = resolved(options.verify)
+    source_pieces = group.source_pieces(planning, source.loaded.worker_of_rank) if runs_checks(level) else {}
+    carried = {**model.carried, **generated_files(model.config, planning, bool(output.untied), options.base_model)}
+    with timed_stage(plan.seconds, "transfer") as moved:
+        written = group.transfer(output.transfer, output.by_name, output.split, plan.destination, carried)
+        moved["bytes"] = written.bytes_written
+    tensors = {
+        tensor.name: {"dtype": tensor.dtype, "shape": list(tensor.shape), "sha256": written.tensor_digests[tensor.name]}
+        for tensor in output.by_name.values()
+    }
+    expected = ExpectedExport(
+        files=written.files, tensors=tensors, tied=_tied_pairs(model.formats, planning, output.untied),
+        adapter=bool(planning.adapters), pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code,
+        format=planning.format, source_finite=source.finite,
+    )
+    with timed_stage(plan.seconds, "verify_files") as moved:
+        checks = verify_files(group, plan.destination, expected, written.worker_stats)
+        moved["bytes"] = checks["files"]["bytes_read"] if checks else 0
+    group.update_memory(written.worker_stats)  # the peaks, verification included
+    return expected, written, checks
+
+
+def _report(
+    plan: ExportPlan, group: WorkerGroup, output: OutputPlan, written: Transferred, verification: dict[str, Any],
+    reload_memory: tuple[int | None, int | None],
+) -> ExportReport:
+    """The run's report: what was exported, how, and what it cost (stage seconds, bytes, memory)."""
+    reload_peak, reload_start = reload_memory
+    by_worker = {f"worker{stats.worker}": stats for stats in written.worker_stats}
     return ExportReport(
-        source=source.uri,
-        destination=destination.uri,
-        manifest=destination.display(MANIFEST_NAME),
-        layout=checkpoint.layout,
-        world_size=checkpoint.world_size,
-        workers=num_workers,
-        backend=group.devices.backend,
-        backend_reason=group.devices.reason,
-        naming=planning.naming,
-        format=planning.format,
-        dtype=dtype,
-        dtype_reason=dtype_reason,
-        tensor_count=len(tensors),
-        seconds=seconds,
+        source=plan.source.uri, destination=plan.destination.uri, manifest=plan.destination.display(MANIFEST_NAME),
+        layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size, workers=group.size,
+        backend=group.devices.backend, backend_reason=group.devices.reason,
+        naming=output.planning.naming, format=output.planning.format, dtype=output.dtype, dtype_reason=output.dtype_reason,
+        tensor_count=len(output.by_name), seconds=plan.seconds,
         bytes={
-            "read": sum(stats["bytes_read"] for stats in worker_stats),
-            "gathered": sum(stats["bytes_received"] for stats in worker_stats),
-            "written": sum(record["size"] for record in result["files"].values()),
+            "read": sum(stats.bytes_read for stats in written.worker_stats),
+            "gathered": sum(stats.bytes_received for stats in written.worker_stats),
+            "written": written.bytes_written,
         },
         peak_rss_bytes={
             "driver": peak_rss_bytes(),
-            **{f"worker{stats['worker']}": stats["peak_rss_bytes"] for stats in worker_stats},
+            **{worker: stats.peak_rss_bytes for worker, stats in by_worker.items()},
             **({"reload": reload_peak} if reload_peak is not None else {}),
         },
         working_memory_bytes={
-            **{f"worker{stats['worker']}": stats["working_memory_bytes"] for stats in worker_stats},
+            **{worker: stats.working_memory_bytes for worker, stats in by_worker.items()},
             **({"reload": reload_peak - reload_start} if reload_peak is not None and reload_start is not None else {}),
         },
         peak_gpu_bytes={
-            f"worker{stats['worker']}": stats["peak_gpu_bytes"] for stats in worker_stats if stats["peak_gpu_bytes"] is not None
+            worker: stats.peak_gpu_bytes for worker, stats in by_worker.items() if stats.peak_gpu_bytes is not None
         },
-        files_by_worker={f"worker{stats['worker']}": stats["files_written"] for stats in worker_stats},
-        placement={
-            f"worker{stats['worker']}": {"node": stats["node"], "pid": stats["pid"], "device": stats["device"]}
-            for stats in worker_stats
-        },
-        warm_start=group.reused,
-        files=result["files"],
-        verification=verification,
-        skipped=list(getattr(checkpoint, "skipped", [])),
+        files_by_worker={worker: stats.files_written for worker, stats in by_worker.items()},
+        placement={worker: {"node": stats.node, "pid": stats.pid, "device": stats.device} for worker, stats in by_worker.items()},
+        warm_start=group.reused, files=written.files, verification=verification, skipped=list(plan.checkpoint.skipped),
     )
 
 
-def _prepare(
-    destination: Store, replacing: bool, source: Store, trainer_folder: Store, checkpoint, base_model: Store | None,
-    options: ExportOptions, storage_options: dict[str, Any],
-) -> dict[str, Any]:
+def _prepare(plan: ExportPlan) -> ModelDescription:
     """Ready the destination (uncommit an export being replaced, abort uploads a killed run
     left, probe that it takes writes) and describe the model the checkpoint holds."""
-    if replacing:
+    destination, options = plan.destination, plan.options
+    if plan.existing is not None:
         destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
     for key in destination.abort_uploads():
         log.warning("aborted an unfinished upload left by an earlier run: %s", key)
-    hf_config = Store(options.hf_config, storage_options) if options.hf_config else None
-    if hf_config is None and source is not trainer_folder and trainer_folder.exists("config.json"):
-        hf_config = trainer_folder  # a Trainer checkpoint keeps config and tokenizer beside the model folder
-    model = describe_model(hf_folder(source, checkpoint, hf_config, base_model), base_model, options)
+    hf_config = Store(options.hf_config, destination.options) if options.hf_config else None
+    folder = hf_folder(plan.checkpoint.hf_folder, hf_config, plan.checkpoint.nearby_hf_folder, plan.base_model)
+    model = describe_model(folder, plan.base_model, options.trust_remote_code)
     destination.write_bytes(".rayexport-write-probe", b"")
     destination.delete(".rayexport-write-probe")
     return model
@@ -232,13 +279,19 @@ def _in_background(function, *args) -> Future:
     return future
 
 
-def _start_group(group_type: type[WorkerGroup], options: ExportOptions, world_size: int, job_deadline: float) -> WorkerGroup:
-    """Size and start the worker group; on failure, remove whatever of it had started."""
-    group = group_type.for_export(options, world_size, job_deadline)
+def _start_group(group_type: type[WorkerGroup], plan: ExportPlan, describing: Future) -> WorkerGroup:
+    """Size and start the worker group; on failure, remove whatever of it had started (and
+    report the start's error, not the planning thread's)."""
     try:
-        group.start()
+        group = group_type.for_export(plan.options, plan.checkpoint.world_size, plan.job_deadline)
+        try:
+            group.start()
+        except BaseException:
+            group.shutdown(graceful=False)
+            raise
     except BaseException:
-        group.shutdown(graceful=False)
+        with contextlib.suppress(BaseException):
+            describing.result()
         raise
     return group
 
@@ -265,32 +318,6 @@ def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, f
     return plan(untied), untied
 
 
-def find_checkpoint(source: Store, options: ExportOptions) -> tuple[Store, VerlCheckpoint | DcpCheckpoint]:
-    """The checkpoint at `source`, read by the layout `--layout` names or, with `auto`, the one
-    its files show (`.metadata`: DCP; rank files: verl). An accelerate checkpoint folder with no
-    checkpoint files of its own is read from its model folder (`pytorch_model_fsdp_0/`).
-    Returns the folder the checkpoint is in, and the checkpoint."""
-    found = _layout_of_files(source)
-    if found is None:
-        model_folder = accelerate_model_folder(source)
-        if model_folder is not None:
-            log.info("reading the model checkpoint '%s'", source.display(model_folder))
-            source = source.child(model_folder)
-            found = _layout_of_files(source)
-    layout = (found or "verl") if options.layout == "auto" else options.layout
-    if layout == "dcp":
-        return source, find_dcp_checkpoint(source, options.dcp_prefix, unsafe_pickle=options.unsafe_pickle)
-    return source, find_verl_checkpoint(source)
-
-
-def _layout_of_files(source: Store) -> str | None:
-    """The layout the files directly under `source` are in, None when they are in neither."""
-    files = source.list()
-    if is_dcp_checkpoint(source) or any(name.endswith(".distcp") for name in files):
-        return "dcp"
-    return "verl" if any(RANK_FILE.match(name) for name in files) else None
-
-
 def _check_finite(rank_infos: dict[int, dict[str, Any]], strict: bool) -> bool:
     """NaN or Inf in the weights: a warning naming the tensors, or with --strict the end.
     Returns whether every weight is finite."""
@@ -304,26 +331,28 @@ def _check_finite(rank_infos: dict[int, dict[str, Any]], strict: bool) -> bool:
     return False
 
 
-def verify_files(group: WorkerGroup, destination: Store, expected: ExpectedExport, worker_stats: list[dict]) -> dict[str, Any] | None:
+def verify_files(
+    group: WorkerGroup, destination: Store, expected: ExpectedExport, worker_stats: list[WorkerStats]
+) -> dict[str, Any] | None:
     """Every writer re-reads the files it wrote, all at once; the structure check puts what they
-    found together (see `rayexport.verification.conclude`). None with `--verify none`."""
-    if expected.level == "none":
+    found together (see `rayexport.verification.structure.conclude`). None with `--verify none`."""
+    if not runs_checks(expected.level):
         return None
-    written = {stats["worker"]: stats["files_written"] for stats in worker_stats}
+    written = {stats.worker: stats.files_written for stats in worker_stats}
     return conclude(destination, group.check_files(destination, expected, written), expected)
 
 
-def _with_reload(
-    checks: dict[str, Any] | None, group_type: type[WorkerGroup], destination: Store, expected: ExpectedExport,
-    options: ExportOptions, job_deadline: float,
+def _with_consumer_checks(
+    checks: dict[str, Any] | None, group_type: type[WorkerGroup], plan: ExportPlan, expected: ExpectedExport
 ) -> dict[str, Any]:
-    """The verification's outcome: the file checks' numbers and the reload's."""
-    if checks is None:
-        return {"passed": None, "level": "none"}
-    reload = group_type.reload(destination, expected, options, job_deadline)
-    if reload.get("reason"):
-        log.warning("verification: %s", reload["reason"])
-    return {"passed": True, "level": expected.level, "checks": {**checks, "reload": reload}}
+    """The verification's outcome: the file checks' numbers and each consumer check's (none
+    run without file checks, with `--verify none`)."""
+    results = {}
+    if checks is not None:
+        results = group_type.consumer_checks(plan.destination, expected, plan.options, plan.job_deadline)
+    for warning in consumer_warnings(results):
+        log.warning("verification: %s", warning)
+    return verification_outcome(expected.level, checks, results)
 
 
 def _check_destination(source: Store, destination: Store) -> None:
@@ -333,17 +362,16 @@ def _check_destination(source: Store, destination: Store) -> None:
         raise ExportError(f"destination '{destination.uri}' is inside source '{source.uri}'")
 
 
-def _same_export(manifest: dict[str, Any], checkpoint: VerlCheckpoint | DcpCheckpoint, options: ExportOptions) -> bool:
+def _same_export(manifest: dict[str, Any], checkpoint: Checkpoint, options: ExportOptions) -> bool:
     return manifest.get("source") == checkpoint.uri and manifest.get("options") == options.recorded()
 
 
-def _already_committed(
-    options: ExportOptions, checkpoint: VerlCheckpoint | DcpCheckpoint, manifest: dict[str, Any]
-) -> ExportReport:
-    log.info("%s already holds a committed export of %s", options.dst, checkpoint.uri)
+def _already_committed(plan: ExportPlan) -> ExportReport:
+    log.info("%s already holds a committed export of %s", plan.options.dst, plan.checkpoint.uri)
+    manifest, dst = plan.existing, plan.options.dst
     return ExportReport(
-        source=checkpoint.uri, destination=options.dst, manifest=f"{options.dst.rstrip('/')}/{MANIFEST_NAME}",
-        layout=checkpoint.layout, world_size=checkpoint.world_size, workers=0, backend="none",
+        source=plan.checkpoint.uri, destination=dst, manifest=f"{dst.rstrip('/')}/{MANIFEST_NAME}",
+        layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size, workers=0, backend="none",
         tensor_count=manifest.get("tensor_count", 0), files=manifest.get("files", {}),
         verification=manifest.get("verification", {}), already_committed=True,
     )

@@ -1,10 +1,16 @@
-"""The export report: what one export did, for a person (`summary`) and for tools (`to_json`)."""
+"""The export report: what one export did, for a person (`summary`) and for tools (`to_json`),
+and the timing of each of its stages."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,3 +70,20 @@ class ExportReport:
             f"  committed: {self.manifest}",
         ]
         return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def timed_stage(seconds: dict[str, float], name: str) -> Iterator[dict[str, int]]:
+    """Time one stage into `seconds`; the body may set `moved["bytes"]`, and a stage that ends
+    well logs one line: its bytes, seconds and rate."""
+    started = time.perf_counter()
+    moved: dict[str, int] = {}
+    try:
+        yield moved
+    finally:
+        seconds[name] = round(time.perf_counter() - started, 3)
+    if "bytes" in moved:
+        rate = moved["bytes"] / max(seconds[name], 1e-3)
+        log.info("%s: %.2f GB in %.1f s (%.0f MB/s)", name, moved["bytes"] / 1e9, seconds[name], rate / 1e6)
+    else:
+        log.info("%s: %.1f s", name, seconds[name])

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,13 +23,13 @@ from huggingface_hub import StateDictSplit
 from tqdm import tqdm
 
 from rayexport import spool, transport
+from rayexport.assembly import piece_tensor
 from rayexport.dtypes import dtype_of
 from rayexport.errors import ExportError
-from rayexport.layouts.dcp import DcpCheckpoint, read_tensors
-from rayexport.layouts.hf import SafetensorsTensors
-from rayexport.layouts.mapped import mapped_ranges, release_pages
-from rayexport.layouts.shards import ShardInfo, describe_tensor, local_tensor
-from rayexport.layouts.verl import VerlCheckpoint, load_rank_state
+from rayexport.layouts.base import Checkpoint, Part
+from rayexport.layouts.mapped import release_pages
+from rayexport.layouts.shards import ShardInfo, local_tensor
+from rayexport.levels import reads_whole_files
 from rayexport.lora import merge_lora
 from rayexport.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from rayexport.plan.naming import TensorPlan
@@ -36,7 +37,8 @@ from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
 from rayexport.plan.schedule import TransferPlan
 from rayexport.scan import max_abs_difference
 from rayexport.storage import Store
-from rayexport.verification import ExpectedExport, FileCheck, check_files
+from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.files import FileCheck, check_files
 from rayexport.writer import WrittenFile, tensor_bytes, write_index, write_shards
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,35 @@ def progress_bar(total: int | None, description: str) -> Iterator[Callable[[int]
     bars in place, which runs them into the driver's own one-line error messages)."""
     with tqdm(total=total, unit="B", unit_scale=True, desc=description, mininterval=1.0) as bar:
         yield bar.update
+
+
+@dataclass
+class WorkerStats:
+    """One worker's measurements: where it ran, the bytes it read and received, its whole-life
+    peak memory and its working memory (the peak above what it held before it loaded anything;
+    None where Linux's peak reset is missing), on a GPU the most GPU memory the last transfer
+    held, and the files it wrote."""
+
+    worker: int
+    node: str
+    pid: int
+    device: str
+    bytes_read: int
+    peak_rss_bytes: int
+    working_memory_bytes: int | None
+    peak_gpu_bytes: int | None
+    bytes_received: int = 0
+    files_written: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkerTransfer:
+    """What one worker's part of the gather wrote: its files (size, sha256), the digests of the
+    tensors it wrote, and its stats."""
+
+    files: dict[str, dict[str, Any]]
+    tensor_digests: dict[str, str]
+    stats: WorkerStats
 
 
 class ExportWorker:
@@ -126,51 +157,24 @@ class ExportWorker:
         torch.cuda.set_device(device.index)
         return device
 
-    def load(
-        self, source: Store, checkpoint: VerlCheckpoint, ranks: list[int], unsafe_pickle: bool = False
-    ) -> dict[int, dict[str, ShardInfo]]:
-        """Load this worker's rank files; describe what each holds."""
+    def load(self, checkpoint: Checkpoint, part: Part) -> dict[int, dict[str, ShardInfo]]:
+        """Read this worker's `part` of the checkpoint, as its layout reads it (see
+        `Checkpoint.read`), memory-mapped; describe what each (pseudo-)rank holds."""
         self._start_measuring()
+        total = checkpoint.part_bytes(part)
         infos = {}
-        sizes = {rank: source.size(checkpoint.rank_files[rank]) for rank in ranks}
         with contextlib.ExitStack() as bars:
-            # a remote rank file is first spooled to local disk (rayexport.layouts.verl)
-            spooled = (lambda count: None) if source.is_local else bars.enter_context(
-                progress_bar(sum(sizes.values()), f"spool{self.index}")
+            spooling = checkpoint.spools_remote_files and not checkpoint.store.is_local
+            spooled = (lambda count: None) if not spooling else bars.enter_context(
+                progress_bar(total, f"spool{self.index}")
             )
-            advance = bars.enter_context(progress_bar(sum(sizes.values()), f"load{self.index}"))
-            for rank in ranks:
-                state, path = load_rank_state(source, checkpoint.rank_files[rank], self.spool_dir, unsafe_pickle, spooled)
-                self.bytes_read += sizes[rank]
-                self.states[rank] = state
-                self.mapped += mapped_ranges(path)
-                infos[rank] = {}
-                # each tensor's share of the file, so the bar ends at the files' bytes
-                scale = sizes[rank] / max(1, sum(local_tensor(value).nbytes for value in state.values()))
-                for key, value in state.items():
-                    infos[rank][key] = describe_tensor(value, rank)
-                    advance(round(local_tensor(value).nbytes * scale))
-                    self.release_pages()
+            advance = bars.enter_context(progress_bar(total, f"load{self.index}"))
+            for rank, tensors in checkpoint.read(part, self.spool_dir, spooled).items():
+                self.states[rank] = tensors
+                self.mapped += tensors.mapped_ranges()
+                infos[rank] = tensors.describe(lambda count: (advance(count), self.release_pages()))
+        self.bytes_read += total
         return infos
-
-    def load_dcp(
-        self, source: Store, checkpoint: DcpCheckpoint, keys: list[str], unsafe_pickle: bool = False
-    ) -> dict[int, dict[str, ShardInfo]]:
-        """Read whole tensors of a DCP checkpoint into this worker's spool file, memory-mapped,
-        and hold them as this worker's pseudo-rank."""
-        self._start_measuring()
-        tensors = read_tensors(source, checkpoint, keys, self.spool_dir, unsafe_pickle=unsafe_pickle)
-        self.states[self.index] = tensors
-        self.mapped += tensors.mapped_ranges()
-        self.bytes_read += sum(checkpoint.tensors[key].nbytes for key in keys)
-        return {self.index: tensors.describe()}
-
-    def load_base_model(self, base_model: Store) -> dict[str, ShardInfo]:
-        """Exporter only: open a base model folder's weights as the pseudo-rank BASE_MODEL_RANK."""
-        self._start_measuring()
-        tensors = SafetensorsTensors(base_model, self.spool_dir)
-        self.states[BASE_MODEL_RANK] = tensors
-        return tensors.describe()
 
     def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
         """Max |canonical - alias| per pair of source keys, over the (pseudo-)ranks of this
@@ -213,11 +217,10 @@ class ExportWorker:
         destination: Store,
         index: StateDictSplit | None,
         carried: dict[str, bytes],
-    ) -> dict[str, Any]:
+    ) -> WorkerTransfer:
         """This worker's part of the gather: send its pieces, and write the output files
         `transfer` gives it; worker 0 then writes the index of the model's files (`index`, the
-        shard split) and the small files the export carries (config, tokenizer, code). Returns
-        every file it wrote, with size and digest, each tensor's digest, and its bytes and memory."""
+        shard split) and the small files the export carries (config, tokenizer, code)."""
         started = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -242,33 +245,27 @@ class ExportWorker:
         seconds = time.perf_counter() - started
         if total:
             log.info("worker %d wrote %d bytes in %.2f s (%.1f MB/s)", self.index, total, seconds, total / max(seconds, 1e-9) / 1e6)
-        received = transport.received_bytes(transfer.buckets, self.index)
-        return {
-            "files": files,
-            "tensor_digests": digests,
-            **self.stats(bytes_received=received, bytes_written=sum(item.size for item in written)),
-        }
+        stats = self.stats()
+        stats.bytes_received = transport.received_bytes(transfer.buckets, self.index)
+        stats.files_written = sorted(files)
+        return WorkerTransfer(files, digests, stats)
 
     def check_files(self, destination: Store, names: list[str], expected: ExpectedExport) -> list[FileCheck]:
         """Re-read files this worker wrote from the destination and check them (see
-        `rayexport.verification.check_files`), with a progress bar of the bytes read."""
-        whole = expected.level != "quick"
-        total = sum(expected.files[name]["size"] for name in names) if whole else None
+        `rayexport.verification.files.check_files`), with a progress bar of the bytes read."""
+        total = sum(expected.files[name]["size"] for name in names) if reads_whole_files(expected.level) else None
         with progress_bar(total, f"verify{self.index}") as advance:
             return check_files(destination, names, expected, advance)
 
-    def stats(self, **extra: int) -> dict[str, Any]:
-        """Bytes read, whole-life peak memory, and the working memory: the peak above what this
-        process held before it loaded anything (None where Linux's peak reset is missing); on a
-        GPU, the most GPU memory the last transfer held."""
+    def stats(self) -> WorkerStats:
+        """Where this worker runs, the bytes it read and its memory so far (see `WorkerStats`)."""
         peak = peak_rss_bytes()
-        working = peak - self.resident_before_load if self.resident_before_load is not None else None
-        return {
-            "worker": self.index, "node": _node_id(), "pid": os.getpid(), "device": str(self.device),
-            "peak_gpu_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
-            "bytes_read": self.bytes_read,
-            "peak_rss_bytes": max(self.earlier_peak_rss, peak), "working_memory_bytes": working, **extra,
-        }
+        return WorkerStats(
+            worker=self.index, node=_node_id(), pid=os.getpid(), device=str(self.device),
+            bytes_read=self.bytes_read, peak_rss_bytes=max(self.earlier_peak_rss, peak),
+            working_memory_bytes=peak - self.resident_before_load if self.resident_before_load is not None else None,
+            peak_gpu_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+        )
 
     def _start_measuring(self) -> None:
         if self.resident_before_load is None:
@@ -314,15 +311,3 @@ class ExportWorker:
 
     def _local(self, piece: Piece) -> torch.Tensor:
         return piece_tensor(local_tensor(self.states[piece.rank][piece.source_key]), piece)
-
-
-def piece_tensor(local: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """What `piece` takes from a rank's local shard: all of it, or for a converted tensor its
-    region laid out along the output's axes."""
-    if piece.region is None:
-        return local
-    region = local[tuple(slice(start, start + length) for start, length in piece.region)]
-    kept = [axis for axis in piece.axes if axis is not None]
-    dropped = [axis for axis in range(region.dim()) if axis not in kept]  # unit extent
-    return region.permute(kept + dropped).reshape(piece.shape)
-

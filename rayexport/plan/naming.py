@@ -6,7 +6,7 @@ and LoRA adapters matched to their weights, and each output's dtype chosen. Pure
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 from rayexport.dtypes import SAFETENSORS_DTYPES, dtype_of, nbytes
 from rayexport.errors import ExportError
@@ -108,70 +108,26 @@ def plan_holdings(
     lora = lora or LoraRequest()
     checkpoint_key, source_key_of, targets = model_names(holders)
     naming_kind = choose_naming(checkpoint_key or base_model or {}, formats)
-    naming = formats.naming(naming_kind)
-    expected = naming.expected
-    aliases = {alias: canonical for alias, canonical in naming.aliases.items() if alias not in untied}
-
+    expected = formats.naming(naming_kind).expected
+    aliases = {alias: canonical for alias, canonical in formats.naming(naming_kind).aliases.items() if alias not in untied}
     resolution = resolve_tied_names(checkpoint_key, aliases)
     wanted = [name for name in expected if name not in aliases]
     from_base = [name for name in wanted if name not in resolution.sources and name in (base_model or {})]
-    missing = [name for name in wanted if name not in resolution.sources and name not in from_base]
-    if missing:
-        raise ExportError(
-            f"the checkpoint has no tensor '{missing[0]}' that the config's model needs"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + ("" if base_model is not None else "; for a LoRA-only checkpoint pass --base-model")
-        )
-    unexpected = [name for name in resolution.sources if name not in expected]
-    if unexpected:
-        raise ExportError(
-            f"the checkpoint's tensor '{checkpoint_key[resolution.sources[unexpected[0]]]}' is not "
-            f"in the config's model" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-        )
-
-    def plan_for(name: str, key: str, shape: tuple[int, ...], infos: dict[int, ShardInfo]) -> TensorPlan:
-        dtypes = {info.dtype for info in infos.values()}
-        if len(dtypes) != 1:
-            raise ExportError(f"tensor '{key}' has different dtypes across ranks: {sorted(dtypes)}")
-        source_dtype = dtypes.pop()
-        return TensorPlan(
-            name=name, source_key=key, shape=shape, source_dtype=source_dtype,
-            dtype=output_dtype(source_dtype, dtype),
-            pieces=tensor_pieces(key, infos, shape),
-        )
-
+    _check_coverage(wanted, expected, resolution, checkpoint_key, from_base, base_model is not None)
     plans = {}
     for name in wanted:
         shape = tuple(expected[name][0])
         if name in from_base:
-            plans[name] = plan_for(name, name, shape, {BASE_MODEL_RANK: base_model[name]})
+            plans[name] = _plan_tensor(name, name, shape, {BASE_MODEL_RANK: base_model[name]}, dtype)
         else:
             key = checkpoint_key[resolution.sources[name]]
-            plans[name] = plan_for(name, key, shape, holders[key])
-
+            plans[name] = _plan_tensor(name, key, shape, holders[key], dtype)
     settings, adapters = None, []
     if targets:
         settings = lora_settings(lora.meta, _columns(holders[source_key_of[targets[0].b_name]]), lora.overrides)
-        for target in targets:
-            weight = f"{target.module}.weight"
-            if weight not in plans:
-                raise ExportError(f"LoRA module '{target.module}' has no base weight '{weight}'")
-            if len(plans[weight].shape) != 2:
-                raise ExportError(
-                    f"LoRA module '{target.module}' has a {len(plans[weight].shape)}-D weight; only LoRA on "
-                    f"Linear and Conv1D layers is merged exactly"
-                )
-            fan_in_fan_out = formats.memory_name(naming_kind, weight) in lora.fan_in_fan_out
-            out_features, in_features = plans[weight].shape[::-1] if fan_in_fan_out else plans[weight].shape
-            halves = []
-            for which, normalized, shape in (("A", target.a_name, (settings.r, in_features)),
-                                             ("B", target.b_name, (out_features, settings.r))):
-                key = source_key_of[normalized]
-                halves.append(plan_for(adapter_tensor_name(target, which), key, shape, holders[key]))
-            if lora.mode in ("merge", "both"):
-                plans[weight] = replace(plans[weight], lora=LoraMerge(halves[0], halves[1], settings.scale, fan_in_fan_out))
-            if lora.mode in ("adapter", "both"):
-                adapters.extend(halves)
+        adapters = _plan_lora(
+            targets, settings, plans, holders, source_key_of, lora, lambda weight: formats.memory_name(naming_kind, weight), dtype
+        )
     tied_key_pairs = [(checkpoint_key[canonical], checkpoint_key[alias]) for canonical, alias in resolution.to_compare]
     tensors = convert_plans(
         [plans[name] for name in wanted], formats.tiles(naming_kind, output_format),
@@ -181,6 +137,69 @@ def plan_holdings(
         tensors=tensors, adapters=adapters, resolution=resolution, tied_key_pairs=tied_key_pairs,
         lora=settings, lora_targets=targets, naming=naming_kind, format=output_format,
     )
+
+
+def _check_coverage(
+    wanted: list[str], expected: dict, resolution: TieResolution, checkpoint_key: dict[str, str], from_base: list[str],
+    has_base_model: bool,
+) -> None:
+    """One line naming the first tensor the model needs that no source holds, or the first
+    tensor the checkpoint holds that the model lacks."""
+    missing = [name for name in wanted if name not in resolution.sources and name not in from_base]
+    if missing:
+        raise ExportError(
+            f"the checkpoint has no tensor '{missing[0]}' that the config's model needs"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + ("" if has_base_model else "; for a LoRA-only checkpoint pass --base-model")
+        )
+    unexpected = [name for name in resolution.sources if name not in expected]
+    if unexpected:
+        raise ExportError(
+            f"the checkpoint's tensor '{checkpoint_key[resolution.sources[unexpected[0]]]}' is not "
+            f"in the config's model" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+        )
+
+
+def _plan_tensor(name: str, key: str, shape: tuple[int, ...], infos: dict[int, ShardInfo], dtype: str | None) -> TensorPlan:
+    """The output tensor `name`, assembled from the pieces of source key `key` that `infos` hold."""
+    dtypes = {info.dtype for info in infos.values()}
+    if len(dtypes) != 1:
+        raise ExportError(f"tensor '{key}' has different dtypes across ranks: {sorted(dtypes)}")
+    source_dtype = dtypes.pop()
+    return TensorPlan(
+        name=name, source_key=key, shape=shape, source_dtype=source_dtype,
+        dtype=output_dtype(source_dtype, dtype), pieces=tensor_pieces(key, infos, shape),
+    )
+
+
+def _plan_lora(
+    targets: list[LoraTarget], settings: LoraSettings, plans: dict[str, TensorPlan], holders: dict,
+    source_key_of: dict[str, str], lora: LoraRequest, memory_name: Callable[[str], str], dtype: str | None,
+) -> list[TensorPlan]:
+    """Fold each target's adapter into its base weight's plan (merge, both), and return the
+    adapter tensors to write (adapter, both); `memory_name` gives a weight's in-memory name."""
+    adapters = []
+    for target in targets:
+        weight = f"{target.module}.weight"
+        if weight not in plans:
+            raise ExportError(f"LoRA module '{target.module}' has no base weight '{weight}'")
+        if len(plans[weight].shape) != 2:
+            raise ExportError(
+                f"LoRA module '{target.module}' has a {len(plans[weight].shape)}-D weight; only LoRA on "
+                f"Linear and Conv1D layers is merged exactly"
+            )
+        fan_in_fan_out = memory_name(weight) in lora.fan_in_fan_out
+        out_features, in_features = plans[weight].shape[::-1] if fan_in_fan_out else plans[weight].shape
+        halves = []
+        for which, normalized, shape in (("A", target.a_name, (settings.r, in_features)),
+                                         ("B", target.b_name, (out_features, settings.r))):
+            key = source_key_of[normalized]
+            halves.append(_plan_tensor(adapter_tensor_name(target, which), key, shape, holders[key], dtype))
+        if lora.mode in ("merge", "both"):
+            plans[weight] = replace(plans[weight], lora=LoraMerge(halves[0], halves[1], settings.scale, fan_in_fan_out))
+        if lora.mode in ("adapter", "both"):
+            adapters.extend(halves)
+    return adapters
 
 
 def model_names(keys: Iterable[str]) -> tuple[dict[str, str], dict[str, str], list[LoraTarget]]:

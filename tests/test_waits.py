@@ -1,4 +1,4 @@
-"""rayexport.group: how long each distributed step may take. The group's behaviour with a real
+"""rayexport.waits: how long each distributed step may take. The group's behaviour with a real
 cluster (placement, fail-fast waits, pools) is covered where it shows: test_gpu_cluster.py,
 test_workers.py, test_pool.py, test_faults.py."""
 
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rayexport.errors import ExportError
-from rayexport.group import step_limit
+from rayexport.waits import step_limit
 from rayexport.options import ExportOptions
 
 
