@@ -3,7 +3,7 @@
     python benchmarks/dcp_memory.py                       # 400 MB float32, world size 4, 2 workers
     python benchmarks/dcp_memory.py --mb 1000 --s3        # also read in place from a moto S3 server
 
-One invocation writes a DCP checkpoint with FSDP2 gloo ranks (tests/dcp_writer.py), then:
+One invocation writes a DCP checkpoint with FSDP2 gloo ranks (tests/support/checkpoints.py), then:
   1. exports it through a local Ray with `--workers` workers and `--bucket-mib` buckets, from
      local disk and (--s3) from S3, and reports each worker's working memory (its peak resident
      memory above what it held before loading) beside its share, the largest chunk and the
@@ -29,7 +29,7 @@ import warnings
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # dcp_writer: real FSDP2 ranks saving DCP
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # support: the tests' FSDP2 checkpoint writers
 
 MiB = 2**20
 S3_ENV = {"AWS_ACCESS_KEY_ID": "bench-key", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -37,9 +37,8 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "bench-key", "AWS_SECRET_ACCESS_KEY": "bench-secr
 
 def write_checkpoint(folder: str, megabytes: int, world_size: int) -> str:
     """A float32 Llama-shaped DCP checkpoint of about `megabytes` MB, flat keys."""
-    from dcp_writer import write_dcp_checkpoint
-
-    from rayexport.demo import sized_llama_config
+    from support.checkpoints import write_dcp_checkpoint
+    from support.models import sized_llama_config
 
     config = sized_llama_config(megabytes * 10**6, hidden_size=1024, vocab_size=16384, dtype="float32")
     path = os.path.join(folder, "dcp")

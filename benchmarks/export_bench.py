@@ -31,9 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # support: the tests' FSDP2 checkpoint writers
+
+from support.checkpoints import write_synthetic_checkpoint  # noqa: E402
+from support.models import sized_llama_config  # noqa: E402
+
 VERL_VENV = os.path.join(HERE, ".venv-verl")
 BUCKET = "bench"
 S3_ENV = {"AWS_ACCESS_KEY_ID": "bench-key", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}

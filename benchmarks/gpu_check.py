@@ -33,7 +33,7 @@ from rayexport.group import WorkerGroup
 from rayexport.job import run_export
 from rayexport.options import ExportOptions
 from rayexport.placement import Devices
-from rayexport.reload_check import check_reload
+from rayexport.verification.consumers import run_consumer_checks
 from rayexport.workers import ExportWorker
 
 MiB = 2**20
@@ -121,8 +121,8 @@ class ProcessWorkerGroup(WorkerGroup):
         return cls(size, Devices(options.backend, gpus, "gpu_check: local worker processes"), options, job_deadline)
 
     @staticmethod
-    def reload(destination, expected, options, job_deadline):
-        return check_reload(destination, expected, options.timeout_s, options.memory_bound_bytes)
+    def consumer_checks(destination, expected, options, job_deadline):
+        return run_consumer_checks(destination, expected, options.timeout_s, options.memory_bound_bytes)
 
     def start(self) -> None:
         nccl = self.devices.backend == "nccl"
@@ -199,14 +199,15 @@ def main() -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     world_size = 3
     with tempfile.TemporaryDirectory(prefix="rayexport-gpu-check-") as scratch:
-        checkpoint = write_verl_checkpoint(tiny_config("qwen2-tied"), os.path.join(scratch, "ckpt"), world_size=world_size)
+        checkpoint = os.path.join(scratch, "ckpt")
+        write_verl_checkpoint(tiny_config("qwen2-tied"), checkpoint, world_size=world_size)
         fields = {"gpus": gpus, "ray": args.ray}
         try:
-            gloo = export_once(checkpoint.path, os.path.join(scratch, "gloo"), "gloo", min(2, world_size), args.ray)
+            gloo = export_once(checkpoint, os.path.join(scratch, "gloo"), "gloo", min(2, world_size), args.ray)
             fields["gloo_verified"] = gloo.verification.get("level") if gloo.verification.get("passed") else "no"
             if gpus:
                 workers = min(gpus, world_size)
-                nccl = export_once(checkpoint.path, os.path.join(scratch, "nccl"), "nccl", workers, args.ray)
+                nccl = export_once(checkpoint, os.path.join(scratch, "nccl"), "nccl", workers, args.ray)
                 fields.update(
                     nccl_workers=nccl.workers,
                     nccl_verified=nccl.verification.get("level") if nccl.verification.get("passed") else "no",

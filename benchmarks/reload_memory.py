@@ -12,8 +12,12 @@ its wall time as the parent sees it, and the child's peak RSS above its start-up
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # support: tiny model configs
 
 MiB = 2**20
 
@@ -23,8 +27,8 @@ def write_export(folder: str, gb: float, dtype: str) -> int:
     returns the bytes of its weights."""
     import torch
 
-    from rayexport.demo import sized_llama_config, write_hf_folder
     from rayexport.model import model_class
+    from support.models import sized_llama_config, write_hf_folder
 
     config = sized_llama_config(int(gb * 1e9), hidden_size=1024, vocab_size=32000, dtype=dtype)
     write_hf_folder(config, folder)
@@ -41,9 +45,9 @@ def main() -> None:
     parser.add_argument("--bound-mib", type=int, default=256, help="memory bound of the streamed reload (default 256)")
     args = parser.parse_args()
 
-    from rayexport.reload_check import check_reload
     from rayexport.storage import Store
-    from rayexport.verification import ExpectedExport
+    from rayexport.verification.expected import ExpectedExport
+    from rayexport.verification.reload.parent import check_reload
 
     with tempfile.TemporaryDirectory(prefix="reload-memory-") as folder:
         weights = write_export(folder, args.gb, args.dtype)

@@ -27,9 +27,10 @@ import subprocess
 import sys
 import time
 
-from export_bench import BUCKET, S3_ENV, measure, parse_size, remove, start_moto, verl_python
+from export_bench import BUCKET, S3_ENV, measure, parse_size, remove, start_moto, verl_python  # puts tests/ on sys.path
 
-from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
+from support.checkpoints import write_synthetic_checkpoint
+from support.models import sized_llama_config
 
 GiB = 2**30
 CGROUP_ROOT = "/sys/fs/cgroup/memory"

@@ -1,15 +1,22 @@
-"""Session fixtures: one moto S3 server over HTTP, one local Ray instance, and real FSDP2
-checkpoints written by real gloo ranks."""
+"""Session fixtures: one moto S3 server over HTTP (and a fault-injecting proxy in front of it),
+one local Ray instance, and real FSDP2 checkpoints written by real gloo ranks.
+
+The shared test code is the `support` package beside this file: pytest's default `prepend`
+import mode puts this folder (it has no __init__.py) on sys.path, so tests import `support.*`."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import uuid
 
 import pytest
 
-from helpers import BUCKET, LORA, REMOTE_CODE, remote_code_config, upload
+from support.helpers import BUCKET, upload
+
+# The session's Ray head node (`ray_address`), once started.
+RAY_HEAD = pytest.StashKey()
 
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing-key",
@@ -37,19 +44,63 @@ def s3_endpoint():
 
 
 @pytest.fixture(scope="session")
-def ray_address(s3_endpoint):
+def ray_address(s3_endpoint, request):
     """One local Ray instance for the session (started after the S3 variables are set, so its
     workers see them); CLI subprocesses join it through RAY_ADDRESS. It advertises no GPUs even
     on a GPU machine, so `--backend auto` means gloo here everywhere; the GPU cases start Ray
-    of their own (test_gpu_cluster.py, test_gpu.py)."""
+    of their own (test_gpu_cluster.py, test_gpu.py). Where its logs are goes to the terminal."""
     import ray
 
     ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, logging_level="WARNING")
     address = ray.get_runtime_context().gcs_address
     os.environ["RAY_ADDRESS"] = address
+    node = ray._private.worker._global_node  # this process started the head: its processes are our children
+    request.config.stash[RAY_HEAD] = node
+    terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:
+        terminal.write_line(f"the session's Ray at {address} logs to {node.get_logs_dir_path()}")
     yield address
+    del request.config.stash[RAY_HEAD]
     ray.shutdown()
     os.environ.pop("RAY_ADDRESS", None)
+
+
+@pytest.fixture(autouse=True)
+def ray_head_alive(request):
+    """Stop the run, naming the process and how it ended, once a process of the session's Ray
+    head (GCS, raylet, its agents) is gone. The driver (this process) would otherwise exit with
+    status 1 and no summary: 60 s after its GCS went away, or at its next object-store call
+    after its raylet did, with the only message on a stderr that pytest is capturing."""
+    _check_ray_head(request.config, f"before {request.node.nodeid}")
+    yield
+    _check_ray_head(request.config, f"by the end of {request.node.nodeid}")
+
+
+def _check_ray_head(config, when: str) -> None:
+    node = config.stash.get(RAY_HEAD, None)
+    if node is None:
+        return
+    dead = node.dead_processes()
+    if dead:
+        ended = ", ".join(f"{kind} (pid {process.pid}) {_ended(process.returncode)}" for kind, process in dead)
+        pytest.exit(f"the session's Ray head lost {ended} {when}; see {node.get_logs_dir_path()}", returncode=1)
+
+
+def _ended(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exited with status {returncode}"
+
+
+@pytest.fixture(scope="module")
+def proxy(s3_endpoint):
+    """A fault-injecting proxy in front of the S3 server (support/fault_proxy.py), one per test
+    module; tests `reset()` it to choose the requests it breaks."""
+    from support.fault_proxy import FaultProxy
+
+    proxy = FaultProxy(s3_endpoint).start()
+    yield proxy
+    proxy.stop()
 
 
 @pytest.fixture
@@ -62,7 +113,8 @@ def s3_prefix(s3_endpoint):
 def checkpoints(tmp_path_factory):
     """Real FSDP2 checkpoints: tied Qwen2-style and untied Llama-style at world size 3 (uneven
     shards), and a tied model on a 2x2 ("ddp", "fsdp") HSDP mesh."""
-    from rayexport.demo import tiny_config, write_verl_checkpoint
+    from support.checkpoints import write_verl_checkpoint
+    from support.models import tiny_config
 
     root = tmp_path_factory.mktemp("checkpoints")
     return {
@@ -79,7 +131,8 @@ def lora_checkpoints(tmp_path_factory):
     """verl-style LoRA runs: a PeftModel with random adapters saved by FSDP2 ranks, in full and
     adapter-only (with the base model as a separate HF folder); and an adapter-only run of a
     remote-code model, whose code lives only in its base model folder."""
-    from rayexport.demo import tiny_config, write_verl_checkpoint
+    from support.checkpoints import write_verl_checkpoint
+    from support.models import LORA, REMOTE_CODE, remote_code_config, tiny_config
 
     root = tmp_path_factory.mktemp("lora")
     config = remote_code_config(str(root / "remote-code"))

@@ -37,7 +37,7 @@ def test_an_op_that_is_not_a_move_is_refused_by_name():
 
 
 def test_qwen3_moe_on_disk_experts_are_boxes_of_the_fused_tensors():
-    from format_models import tiny_format_config
+    from support.models import tiny_format_config
 
     model = build_meta_model(tiny_format_config("qwen3_moe"), False)
     formats = model_formats(model, expected_tensors(model), find_tie_aliases(model))
@@ -51,7 +51,7 @@ def test_qwen3_moe_on_disk_experts_are_boxes_of_the_fused_tensors():
 
 
 def test_a_vlm_tie_declared_in_text_config_is_found_in_both_namings():
-    from format_models import tiny_format_config
+    from support.models import tiny_format_config
 
     model = build_meta_model(tiny_format_config("qwen2_5_vl"), False)
     formats = model_formats(model, expected_tensors(model), find_tie_aliases(model))

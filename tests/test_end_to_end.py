@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import download, error_lines, reload, reload_in_fresh_process, run_cli, run_main
+from support.helpers import download, error_lines, reload, reload_in_fresh_process, run_cli, run_main
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 

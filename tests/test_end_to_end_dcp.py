@@ -10,15 +10,15 @@ import shutil
 import pytest
 import torch
 
-from dcp_writer import DcpJob, write_dcp_checkpoints
-from helpers import download, error_lines, reload, run_main, s3_exists, upload
+from support.checkpoints import DcpJob, write_dcp_checkpoints
+from support.helpers import download, error_lines, reload, run_main, s3_exists, upload
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
 
 @pytest.fixture(scope="module")
 def dcp_checkpoints(tmp_path_factory, s3_endpoint):
-    from rayexport.demo import tiny_config
+    from support.models import tiny_config
 
     root = tmp_path_factory.mktemp("dcp")
     jobs = {
@@ -118,7 +118,7 @@ def accelerate_checkpoint(dcp_checkpoint: str, folder, models: int = 1):
 
 def test_an_accelerate_checkpoint_folder_is_read_from_its_model_folder(dcp_checkpoints, tmp_path, caplog):
     source = accelerate_checkpoint(dcp_checkpoints["tied"]["local"], tmp_path / "checkpoint-500")
-    with caplog.at_level("INFO", logger="rayexport.job"):
+    with caplog.at_level("INFO", logger="rayexport"):
         completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"), "--dtype", "float32")
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"reading the model checkpoint '{source}/pytorch_model_fsdp_0'" in caplog.text

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from format_models import format_logits, write_format_checkpoints
-from helpers import error_lines, run_main
+from support.checkpoints import write_format_checkpoints
+from support.helpers import error_lines, run_main
+from support.models import reference_logits
 
 ARCHITECTURES = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_vl", "qwen2_5_vl", "qwen3"]
 VERL = [(architecture, naming, "verl") for architecture in ARCHITECTURES for naming in ("in-memory", "on-disk")]
@@ -55,7 +56,7 @@ def reload_export(folder, architecture):
     if architecture in TIED:
         canonical, alias = TIED[architecture]
         shared = parameters[canonical].data_ptr() == parameters[alias].data_ptr()
-    return info, format_logits(model.eval()), shared
+    return info, reference_logits(model.eval()), shared
 
 
 @pytest.mark.parametrize("case", VERL + DCP, ids="-".join)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import download, reload, reload_in_fresh_process, run_main, upload
+from support.helpers import download, reload, reload_in_fresh_process, run_main, upload
+from support.models import PROMPT_IDS
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -50,7 +51,7 @@ def gpt2_lora(tmp_path_factory, s3_endpoint):
     attn.c_proj is square, so its shape cannot tell the orientation)."""
     from transformers import GPT2Config
 
-    from rayexport.demo import write_verl_checkpoint
+    from support.checkpoints import write_verl_checkpoint
 
     config = GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128, dtype="float32")
     config.architectures = ["GPT2LMHeadModel"]
@@ -90,7 +91,7 @@ def test_adapter_mode_writes_a_peft_adapter_on_the_base(lora_checkpoints, s3_lor
         "import json, sys, torch\n"
         "from peft import PeftModel\n"
         "from transformers import AutoModelForCausalLM\n"
-        "from rayexport.demo import PROMPT_IDS\n"
+        f"PROMPT_IDS = {PROMPT_IDS!r}\n"
         "model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[1]), sys.argv[1] + '/lora_adapter').eval()\n"
         "with torch.no_grad(): print(json.dumps(model(input_ids=torch.tensor(PROMPT_IDS)).logits.tolist()))\n"
     )

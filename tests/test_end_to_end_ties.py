@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import download, reload, run_main, s3_exists, upload
+from support.helpers import download, reload, run_main, s3_exists, upload
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -64,7 +64,7 @@ def test_untie_keeps_both_and_unties_the_config(checkpoints, tmp_path, s3_prefix
     reloaded = reload(local)
     assert reloaded["shared"] is False
     # the trained (untied) model: the original with its head moved by 0.25
-    from rayexport.demo import PROMPT_IDS, build_model, tiny_config
+    from support.models import PROMPT_IDS, build_model, tiny_config
 
     model = build_model(tiny_config("qwen2-tied", tie_word_embeddings=False))
     state = dict(checkpoints["tied"].reference_state, **{HEAD: checkpoints["tied"].reference_state[EMBED] + 0.25})

@@ -1,4 +1,4 @@
-"""Storage faults injected between rayexport and the S3 server (tests/fault_proxy.py), and a
+"""Storage faults injected between rayexport and the S3 server (tests/support/fault_proxy.py), and a
 driver killed mid-export: transient faults are retried and change no byte; persistent ones end
 the run quickly with the object and operation named, and leave nothing that looks committed.
 A worker killed mid-export leaves none of the rank files spooled from S3 on the node's disk,
@@ -18,14 +18,15 @@ import time
 import pytest
 import s3fs
 
-from fault_proxy import FaultProxy
-from helpers import BUCKET, export_worker_processes, run_main, upload
 from rayexport import spool
-from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
 from rayexport.errors import ExportError
 from rayexport.job import export
 from rayexport.manifest import MANIFEST_NAME
 from rayexport.verify import verify_uri
+from support.checkpoints import write_synthetic_checkpoint
+from support.fault_proxy import FaultProxy
+from support.helpers import BUCKET, export_worker_processes, run_main, upload
+from support.models import sized_llama_config
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -44,13 +45,6 @@ LADDER_S = sum(min(2**retry, 20) for retry in range(ATTEMPTS - 1))
 # read timeout is 120 s), and s3fs's 5 rounds of retries around botocore's (25 for reads) took
 # 72 to 315 s. This bound, 45 s, tells those apart with room for a slow CI machine.
 AFTER_FAULT_S = 3 * LADDER_S + 24
-
-
-@pytest.fixture(scope="module")
-def proxy(s3_endpoint):
-    proxy = FaultProxy(s3_endpoint).start()
-    yield proxy
-    proxy.stop()
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,8 @@ def test_an_nccl_export_through_the_cli_is_verified_and_equals_the_gloo_export(c
 def test_the_nccl_gather_holds_at_most_the_window_on_each_gpu(tmp_path):
     from safetensors import safe_open
 
-    from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
+    from support.checkpoints import write_synthetic_checkpoint
+    from support.models import sized_llama_config
 
     config = sized_llama_config(64 * 10**6, hidden_size=512, vocab_size=2048, dtype="float32")
     write_synthetic_checkpoint(config, str(tmp_path / "actor"), world_size=2)

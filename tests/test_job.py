@@ -20,8 +20,8 @@ def test_an_export_past_its_deadline_stops_and_commits_nothing(checkpoints, ray_
 def test_a_tied_pair_no_worker_compared_stops_the_export():
     """Workers report only the pairs they held both copies of; a pair none of them could compare
     used to count as equal and its alias was dropped unchecked."""
-    from plan_cases import EMBED, HEAD, TIED, expected_of, fsdp2_ranks, plan_tensors
     from rayexport.job import _plan_ties
+    from support.plan_cases import EMBED, HEAD, TIED, expected_of, fsdp2_ranks, plan_tensors
 
     class WorkersThatHeldTheCopiesApart:  # stands for a WorkerGroup whose workers each held one copy
         def tied_differences(self, pairs):

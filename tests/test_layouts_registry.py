@@ -5,41 +5,33 @@ hand: only their names and sizes matter here."""
 from __future__ import annotations
 
 import pytest
+from support.helpers import folder_with
 
 from rayexport.errors import ExportError
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.registry import LAYOUT_NAMES, detect_layout, find_checkpoint, layout_named, snapshot
-from rayexport.storage import Store
-
-
-def make_files(folder, names: dict[str, bytes]) -> Store:
-    for name, data in names.items():
-        path = folder / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-    return Store(str(folder))
 
 
 def test_each_layout_is_detected_from_its_files(tmp_path):
-    verl = make_files(tmp_path / "verl", {"model_world_size_2_rank_0.pt": b"x", "model_world_size_2_rank_1.pt": b"x"})
-    dcp = make_files(tmp_path / "dcp", {"__0_0.distcp": b"x", ".metadata": b"x"})
-    trainer = make_files(tmp_path / "checkpoint-500", {"pytorch_model_fsdp_0/__0_0.distcp": b"x", "optimizer_0/x": b"x"})
+    verl = folder_with(tmp_path / "verl", {"model_world_size_2_rank_0.pt": b"x", "model_world_size_2_rank_1.pt": b"x"})
+    dcp = folder_with(tmp_path / "dcp", {"__0_0.distcp": b"x", ".metadata": b"x"})
+    trainer = folder_with(tmp_path / "checkpoint-500", {"pytorch_model_fsdp_0/__0_0.distcp": b"x", "optimizer_0/x": b"x"})
     assert [detect_layout(store).name for store in (verl, dcp, trainer)] == ["verl", "dcp", "accelerate"]
-    assert detect_layout(make_files(tmp_path / "other", {"notes.txt": b"x"})) is None
+    assert detect_layout(folder_with(tmp_path / "other", {"notes.txt": b"x"})) is None
     assert LAYOUT_NAMES == ("auto", "dcp", "verl", "accelerate")
 
 
 def test_the_watcher_waits_for_each_layouts_completion_marker(tmp_path):
-    verl = make_files(tmp_path / "verl", {"model_world_size_1_rank_0.pt": b"abc"})
+    verl = folder_with(tmp_path / "verl", {"model_world_size_1_rank_0.pt": b"abc"})
     assert snapshot(verl) is None  # verl writes fsdp_config.json last
-    make_files(tmp_path / "verl", {"fsdp_config.json": b"{}"})
+    folder_with(tmp_path / "verl", {"fsdp_config.json": b"{}"})
     assert snapshot(verl) == {"model_world_size_1_rank_0.pt": 3, "fsdp_config.json": 2}
 
-    trainer = make_files(tmp_path / "checkpoint-500", {"pytorch_model_fsdp_0/__0_0.distcp": b"abcd", "trainer_state.json": b"{}"})
+    trainer = folder_with(tmp_path / "checkpoint-500", {"pytorch_model_fsdp_0/__0_0.distcp": b"abcd", "trainer_state.json": b"{}"})
     assert snapshot(trainer) is None  # its model folder has no .metadata yet
-    make_files(tmp_path / "checkpoint-500", {"pytorch_model_fsdp_0/.metadata": b"m"})
+    folder_with(tmp_path / "checkpoint-500", {"pytorch_model_fsdp_0/.metadata": b"m"})
     assert snapshot(trainer) == {"pytorch_model_fsdp_0/__0_0.distcp": 4, "pytorch_model_fsdp_0/.metadata": 1}
-    assert snapshot(make_files(tmp_path / "empty", {})) is None
+    assert snapshot(folder_with(tmp_path / "empty", {})) is None
 
 
 def test_an_unknown_layout_is_one_line_naming_the_known_ones():
@@ -48,10 +40,10 @@ def test_an_unknown_layout_is_one_line_naming_the_known_ones():
 
 
 def test_a_named_layout_reads_the_folder_even_when_auto_would_not(tmp_path):
-    store = make_files(tmp_path / "ckpt", {"model_world_size_2_rank_0.pt": b"x", "model_world_size_2_rank_1.pt": b"x"})
+    store = folder_with(tmp_path / "ckpt", {"model_world_size_2_rank_0.pt": b"x", "model_world_size_2_rank_1.pt": b"x"})
     with pytest.raises(ExportError, match="no DCP metadata file"):
         find_checkpoint(store, "dcp", SourceSettings())
     with pytest.raises(ExportError, match="no accelerate model folder"):
         find_checkpoint(store, "accelerate", SourceSettings())
     with pytest.raises(ExportError, match="missing rank file '.*model_world_size_2_rank_1.pt'"):
-        find_checkpoint(make_files(tmp_path / "half", {"model_world_size_2_rank_0.pt": b"x"}), "auto", SourceSettings())
+        find_checkpoint(folder_with(tmp_path / "half", {"model_world_size_2_rank_0.pt": b"x"}), "auto", SourceSettings())

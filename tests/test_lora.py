@@ -17,7 +17,7 @@ from rayexport.model import expected_tensors
 from rayexport.plan.formats import IN_MEMORY, ModelFormats, Naming
 from rayexport.plan.naming import LoraRequest, plan_holdings
 from rayexport.plan.pieces import holders_from_ranks
-from rayexport.transport import output_chunks
+from rayexport.assembly import output_chunks
 
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
 

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from helpers import BUCKET
+from support.helpers import BUCKET
 
 SCRIPT = """
 import json, sys

@@ -5,8 +5,6 @@ from dataclasses import replace
 
 import pytest
 
-from format_models import tiny_format_config
-from plan_cases import fsdp2_ranks
 from rayexport.conversion import model_formats
 from rayexport.errors import ExportError
 from rayexport.model import build_meta_model, expected_tensors
@@ -14,6 +12,8 @@ from rayexport.plan.formats import IN_MEMORY, ON_DISK, choose_naming, convert_pl
 from rayexport.plan.naming import LoraMerge, plan_holdings
 from rayexport.plan.pieces import holders_from_ranks
 from rayexport.ties import find_tie_aliases
+from support.models import tiny_format_config
+from support.plan_cases import fsdp2_ranks
 
 FUSED = "model.layers.0.mlp.experts.gate_up_proj"
 

@@ -8,7 +8,7 @@ from rayexport.errors import ExportError
 from rayexport.layouts.shards import ShardInfo
 from rayexport.plan.naming import choose_dtype, output_dtype
 
-from plan_cases import EMBED, HEAD, NORM, TIED, expected_of, fsdp2_ranks, plan_tensors
+from support.plan_cases import EMBED, HEAD, NORM, TIED, expected_of, fsdp2_ranks, plan_tensors
 
 
 # --- plan_tensors ---------------------------------------------------------------------------

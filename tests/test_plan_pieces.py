@@ -11,7 +11,7 @@ from rayexport.errors import ExportError
 from rayexport.layouts.shards import ShardInfo
 from rayexport.plan.pieces import needed_ranks, shard_extent
 
-from plan_cases import EMBED, NORM, extent_info, fsdp2_ranks
+from support.plan_cases import EMBED, NORM, extent_info, fsdp2_ranks
 
 
 # --- shard_extent ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from rayexport.plan.schedule import (
     plan_transfer,
 )
 
-from plan_cases import EMBED, HEAD, TIED, chunk_sizes
+from support.plan_cases import EMBED, HEAD, TIED, chunk_sizes
 
 
 # --- plan_shard_files -----------------------------------------------------------------------

@@ -7,8 +7,8 @@ import time
 
 import ray
 
-from helpers import export_worker_processes, reload
 from rayexport import close_pool, export, export_remote
+from support.helpers import export_worker_processes, reload
 
 POOL = "tests"
 

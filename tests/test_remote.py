@@ -9,8 +9,8 @@ import time
 import pytest
 import ray
 
-from helpers import reload
 from rayexport import ExportError, ExportFailed, export_remote
+from support.helpers import reload
 
 
 def test_returns_at_once_and_two_exports_run_side_by_side(checkpoints, ray_address, tmp_path):

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from helpers import LORA, REMOTE_AUTO_MAP, remote_code_config
 from rayexport.remote_code import auto_map_files, bundle_model_code, unwrap_peft
+from support.models import LORA, REMOTE_AUTO_MAP, remote_code_config
 
 
 def test_auto_map_files_covers_repo_prefixes_lists_and_none():

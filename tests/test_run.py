@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import error_lines, export_worker_processes, run_cli, run_main, s3_exists, workers_left
+from support.helpers import error_lines, export_worker_processes, run_cli, run_main, s3_exists, workers_left
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -78,7 +78,8 @@ def test_corrupt_rank_file(broken_copy, tmp_path):
 
 
 def test_partial_placement_is_refused(checkpoints, tmp_path):
-    from rayexport.demo import tiny_config, write_verl_checkpoint
+    from support.checkpoints import write_verl_checkpoint
+    from support.models import tiny_config
 
     source = write_verl_checkpoint(tiny_config("qwen2-tied"), str(tmp_path / "ckpt"), world_size=1).path
     subprocess.run(
@@ -203,7 +204,7 @@ def test_secrets_never_reach_logs_report_or_manifest(s3_checkpoints, s3_prefix, 
     output, the report, the manifest, or any Ray log of the session."""
     import glob
 
-    from helpers import download
+    from support.helpers import download
 
     sentinel = "sentinel-secret-7f3a9"
     completed = run_cli(

@@ -9,11 +9,11 @@ import pickle
 import boto3
 import pytest
 
-from fault_proxy import FaultProxy
-from helpers import BUCKET, s3_exists
-from rayexport import storage
+from rayexport import storage, storage_s3
 from rayexport.errors import ExportError
 from rayexport.storage import Store, storage_options_from_env
+from support.fault_proxy import FaultProxy
+from support.helpers import BUCKET, s3_exists
 
 MiB = 2**20
 
@@ -56,13 +56,6 @@ def test_read_range(store):
             store.read_range("missing.bin", start, end)
 
 
-@pytest.fixture(scope="module")
-def proxy(s3_endpoint):
-    proxy = FaultProxy(s3_endpoint).start()
-    yield proxy
-    proxy.stop()
-
-
 def _through(proxy: FaultProxy, prefix: str, **options) -> Store:
     """A store of 5 MiB parts (S3's smallest) whose requests pass through `proxy`."""
     return Store(prefix, storage_options_from_env({"endpoint_url": proxy.endpoint, "default_block_size": 5 * MiB, **options}))
@@ -74,7 +67,7 @@ def test_a_large_write_uploads_equal_parts_a_few_at_a_time(proxy, s3_prefix):
     with _through(proxy, s3_prefix).writer("big.bin") as handle:
         for start in range(0, len(data), 3 * MiB + 7):  # writes that never line up with parts
             handle.write(data[start:start + 3 * MiB + 7])
-    assert 1 < proxy.most_in_flight <= storage.UPLOAD_PARTS_IN_FLIGHT
+    assert 1 < proxy.most_in_flight <= storage_s3.UPLOAD_PARTS_IN_FLIGHT
     client = boto3.client("s3")
     key = f"{s3_prefix.removeprefix(f's3://{BUCKET}/')}/big.bin"
     parts = [client.head_object(Bucket=BUCKET, Key=key, PartNumber=number)["ContentLength"] for number in range(1, 8)]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rayexport.demo import tiny_config
 from rayexport.errors import ExportError
 from rayexport.ties import check_tied_values, find_tie_aliases, resolve_tied_names
+from support.models import tiny_config
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 

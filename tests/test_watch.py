@@ -12,12 +12,12 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from helpers import run_cli, run_main, s3_exists, upload
 from rayexport.errors import ExportError
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.watch import (
     CLAIM_NAME, CLAIM_STALE_S, Candidate, claim, destination_for, exclusive_create_honoured, find_candidates, watch_once,
 )
+from support.helpers import run_cli, run_main, s3_exists, upload
 
 
 class OverwritingFileSystem(LocalFileSystem):

@@ -15,10 +15,11 @@ import ray
 import torch
 from safetensors import safe_open
 
-from helpers import export_worker_processes
-from rayexport.demo import sized_llama_config, write_synthetic_checkpoint
 from rayexport.errors import ExportError
 from rayexport.job import export
+from support.checkpoints import write_synthetic_checkpoint
+from support.helpers import export_worker_processes
+from support.models import sized_llama_config
 
 MiB = 2**20
 BUCKET = 8 * MiB

@@ -59,3 +59,8 @@ def fsdp2_ranks(shapes, world_size, dtypes=None):
 def expected_of(shapes, dtypes=None):
     dtypes = dtypes or {}
     return {name: (tuple(shape), dtypes.get(name, "float32")) for name, shape in shapes.items()}
+
+
+def piece_region(tensor, piece):
+    """The part of a full tensor that `piece` covers (its offset and shape)."""
+    return tensor[tuple(slice(start, start + length) for start, length in zip(piece.offset, piece.shape))]

@@ -12,47 +12,17 @@ import sys
 import time
 
 BUCKET = "rayexport-tests"
-LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-
-# A tiny trust_remote_code model: its own config and model classes, the modeling file importing
-# the configuration file relatively, as models on the Hub do.
-REMOTE_CODE = {
-    "configuration_tiny.py": (
-        "from transformers import Qwen2Config\n\n\n"
-        "class TinyConfig(Qwen2Config):\n"
-        "    model_type = 'tiny-remote'\n"
-    ),
-    "modeling_tiny.py": (
-        "from transformers import Qwen2ForCausalLM\n\n"
-        "from .configuration_tiny import TinyConfig\n\n\n"
-        "class TinyForCausalLM(Qwen2ForCausalLM):\n"
-        "    config_class = TinyConfig\n"
-    ),
-}
-REMOTE_AUTO_MAP = {
-    "AutoConfig": "configuration_tiny.TinyConfig",
-    "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
-    "AutoModelForSequenceClassification": None,
-}
 
 
-def remote_code_config(folder: str):
-    """The remote-code model's config, loaded through transformers from a folder of its code."""
-    import os
+def folder_with(root, files: dict[str, str | bytes]):
+    """A local folder holding `files` (relative name -> contents), as a rayexport Store."""
+    from rayexport.storage import Store
 
-    from transformers import AutoConfig
-
-    from rayexport.demo import tiny_config
-
-    os.makedirs(folder, exist_ok=True)
-    for name, source in REMOTE_CODE.items():
-        with open(os.path.join(folder, name), "w") as handle:
-            handle.write(source)
-    config = tiny_config("qwen2-tied").to_dict()
-    config.update(model_type="tiny-remote", architectures=["TinyForCausalLM"], auto_map=REMOTE_AUTO_MAP)
-    with open(os.path.join(folder, "config.json"), "w") as handle:
-        json.dump(config, handle)
-    return AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    for name, data in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return Store(str(root))
 
 
 def upload(local_dir: str, uri: str) -> str:
@@ -105,7 +75,7 @@ def reload(path: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rayexport.demo import PROMPT_IDS
+    from support.models import PROMPT_IDS
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
@@ -121,10 +91,12 @@ def reload_in_fresh_process(path: str, trust_remote_code: bool = False) -> dict:
 
     import torch
 
+    from support.models import PROMPT_IDS
+
     code = (
         "import json, sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
-        "from rayexport.demo import PROMPT_IDS\n"
+        f"PROMPT_IDS = {PROMPT_IDS!r}\n"
         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == '1').eval()\n"
         "with torch.no_grad(): logits = model(input_ids=torch.tensor(PROMPT_IDS)).logits\n"
         "head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight\n"
