@@ -2,8 +2,7 @@
 
 The one place the levels and their meanings are written down; the options, the workers, the
 job, `rayexport.verify` and the checks themselves ask these helpers what a level does. It sits
-at the bottom of the package (it imports nothing), since the options, which low layers import,
-need it as much as the verification does.
+at the bottom of the package (it imports nothing), so every layer can ask it.
 
 - `auto`: what an export runs unless told otherwise: `full`, at any size (the reload streams a
   model larger than the memory bound).
