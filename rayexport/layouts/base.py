@@ -14,6 +14,8 @@ import torch
 from rayexport.layouts.shards import ShardInfo
 from rayexport.storage import Store
 
+# The folder beside the weights where trainers (verl, DCP loops) put config, tokenizer and code.
+HF_DIR = "huggingface"
 # What one worker is asked to read: a layout's own description of its share (rank numbers,
 # tensor keys, ...), opaque to everything but that layout.
 Part = Any

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from rayexport.dtypes import dtype_name, dtype_of
 from rayexport.errors import ExportError
 from rayexport.layouts.base import (
-    Advance, Checkpoint, KeyMapping, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
+    HF_DIR, Advance, Checkpoint, KeyMapping, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
 )
 from rayexport.layouts.dcp_metadata import (
     DCP_METADATA, NON_MODEL_NAMES, DcpTensor, describe_entry, detect_prefix, first_name, read_metadata, reason,
@@ -44,7 +44,6 @@ from rayexport.storage import Store
 # Where tensors start in a worker's spool file: a multiple of every dtype's size.
 SPOOL_ALIGNMENT = 64
 _DISTCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-HF_DIR = "huggingface"
 
 
 @dataclass(frozen=True)

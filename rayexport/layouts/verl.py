@@ -13,7 +13,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from rayexport.errors import ExportError
-from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot
+from rayexport.layouts.base import (
+    HF_DIR, Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
+)
 from rayexport.layouts.mapped import mapped_ranges
 from rayexport.layouts.shards import ShardInfo, describe_tensor, local_tensor
 from rayexport.plan.pieces import holders_from_ranks, needed_ranks
@@ -24,7 +26,6 @@ log = logging.getLogger(__name__)
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
-HF_DIR = "huggingface"
 LORA_META = "lora_train_meta.json"
 
 
