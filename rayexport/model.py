@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import re
 import tempfile
 from dataclasses import dataclass
@@ -28,13 +27,7 @@ WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.safetensors\
 
 def hf_file_names(hf_store: Store) -> list[str]:
     """The files of a Hugging Face folder worth carrying into an export: everything but weights."""
-    root = hf_store.path()
-    try:
-        found = hf_store.fs.find(root)
-    except Exception as error:  # noqa: BLE001 - storage clients raise many types
-        raise ExportError(f"cannot list '{hf_store.uri}': {one_line(error)}") from None
-    names = sorted(posixpath.relpath(path, root) for path in found)
-    return [name for name in names if not WEIGHT_FILE.search(name)]
+    return [name for name in hf_store.find() if not WEIGHT_FILE.search(name)]
 
 
 def fetch_hf_folder(hf_store: Store, local_dir: str) -> list[str]:

@@ -139,6 +139,30 @@ class Store:
         listed = self._call("list", name, entries)
         return sorted(posixpath.basename(entry["name"].rstrip("/")) for entry in listed if entry.get("type") == kind)
 
+    def find(self, name: str = "") -> list[str]:
+        """Paths of every file below `name`, relative to it, at any depth (empty when it does
+        not exist)."""
+        root = self.path(name)
+
+        def found() -> list[str]:
+            self.fs.invalidate_cache(root)
+            try:
+                return self.fs.find(root)
+            except FileNotFoundError:
+                return []
+
+        return sorted(posixpath.relpath(path, root) for path in self._call("list", name, found))
+
+    def holders(self, name: str) -> tuple[str, ...] | None:
+        """The cluster nodes that hold the file `name` where only some do (`SpreadStore`);
+        None: it reads the same from every node."""
+        return None
+
+    def nowhere(self) -> str | None:
+        """Where files that were not found were looked for, when that is more than this one
+        folder (`SpreadStore`: every node of the cluster); None otherwise."""
+        return None
+
     def size(self, name: str) -> int:
         """The size of one object in bytes."""
         return self._call("stat", name, self.fs.size, self.path(name))

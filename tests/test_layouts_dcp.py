@@ -19,7 +19,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from rayexport.errors import ExportError
 from rayexport.job import export
 from rayexport.layouts.base import KeyMapping
-from rayexport.layouts.dcp import _chunk_is_finite, find_dcp_checkpoint, read_tensors, spool_offsets
+from rayexport.layouts.dcp import find_dcp_checkpoint, read_file_chunks, read_tensors
+from rayexport.layouts.dcp_spool import _chunk_is_finite, spool_offsets
 from rayexport.layouts.dcp_metadata import DCP_METADATA
 from rayexport.layouts.registry import detect_layout, snapshot
 from rayexport.plan.schedule import assign_by_bytes
@@ -136,6 +137,9 @@ def test_prefix_is_detected_from_keys_when_metadata_lacks_planner_data(written, 
     """Checkpoints saved without the default planner's key paths: the keys alone decide."""
     metadata = FileSystemReader(written[name].path).read_metadata()
     assert metadata.planner_data  # what the default planner records, and this test removes
+    for name_ in os.listdir(written[name].path):
+        if name_.endswith(".distcp"):
+            shutil.copy(os.path.join(written[name].path, name_), tmp_path)
     with open(tmp_path / DCP_METADATA, "wb") as handle:
         pickle.dump(dataclasses.replace(metadata, planner_data=None), handle)
     checkpoint = find_dcp_checkpoint(Store(str(tmp_path)))
@@ -185,6 +189,30 @@ def test_read_tensors_returns_exactly_the_requested_tensors(written, name, tmp_p
         seen.update(tensors)
     assert seen == set(reference)
     assert read_tensors(checkpoint, [], str(tmp_path)) == {}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_each_file_read_alone_gives_its_chunks_which_together_rebuild_every_tensor(written, name, tmp_path):
+    """How a checkpoint spread over nodes is read: file by file, each file's chunks placed by
+    their offsets, and nothing read from any other file."""
+    store = Store(written[name].path)
+    checkpoint = find_dcp_checkpoint(store)
+    reference = written[name].reference
+    rebuilt = {key: torch.full_like(tensor, float("nan")) for key, tensor in reference.items()}
+    files = sorted(checkpoint.read_files())
+    assert len(files) == 3
+    for file in files:
+        alone = tmp_path / file
+        alone.mkdir()
+        os.symlink(os.path.join(store.path(), DCP_METADATA), alone / DCP_METADATA)
+        os.symlink(os.path.join(store.path(), file), alone / file)  # the only data file it can reach
+        chunks = read_file_chunks(dataclasses.replace(checkpoint, store=Store(str(alone))), file, str(tmp_path))
+        for key, info in chunks.describe().items():
+            assert info.global_shape == tuple(reference[key].shape) and info.offset is not None
+            region = tuple(slice(start, start + size) for start, size in zip(info.offset, info.local_shape))
+            rebuilt[key][region] = chunks[key]
+    for key, tensor in reference.items():
+        assert torch.equal(rebuilt[key], tensor), key
 
 
 def test_read_tensors_from_s3(written, s3_endpoint, tmp_path):

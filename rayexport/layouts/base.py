@@ -96,9 +96,19 @@ class Checkpoint:
     def uri(self) -> str:
         return self.store.uri
 
-    def share(self, num_workers: int, aliases: dict[str, str], load: LoadStep) -> Loaded:
+    def read_files(self) -> dict[str, int]:
+        """The files its workers read, by name under `store`, with their sizes. Where the
+        store's files are spread over the cluster's nodes (`Store.holders`), the workers are
+        placed by them, each file read whole on a node that holds it."""
+        raise NotImplementedError
+
+    def share(
+        self, num_workers: int, aliases: dict[str, str], load: LoadStep, file_readers: dict[str, int] | None = None
+    ) -> Loaded:
         """Spread the checkpoint over `num_workers` workers with as many `load` steps as the
-        layout needs; `aliases` (tied names, model name -> canonical) must land together."""
+        layout needs; `aliases` (tied names, model name -> canonical) must land together.
+        `file_readers`: the worker that must read each of `read_files()` (on a node that holds
+        it), worker 0 the first; None: any worker reads any file."""
         raise NotImplementedError
 
     def part_bytes(self, part: Part) -> int:

@@ -5,44 +5,37 @@ Everything goes through torch's own DCP machinery: its storage reader parses `.m
 key's global shape, dtype and chunks), and `torch.distributed.checkpoint.load` without a process
 group fills whole tensors from whichever chunks of whichever rank files hold them. A remote
 checkpoint is read in place with torch's fsspec reader, one ranged request per chunk. A worker's
-tensors land, a chunk at a time, in one local spool file it memory-maps, so that its memory stays
-at about a chunk while it reads, and at the transfer window after.
+tensors land, a chunk at a time, in one local spool file it memory-maps (`dcp_spool`), so that
+its memory stays at about a chunk while it reads, and at the transfer window after. Files spread
+over the nodes of a cluster are read a file at a time instead, each on its own node.
 """
 
 from __future__ import annotations
 
-import mmap
+import math
 import os
 import re
-import tempfile
-import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from rayexport.dtypes import dtype_name, dtype_of
+from rayexport.dtypes import dtype_of
 from rayexport.errors import ExportError
 from rayexport.layouts.base import (
     HF_DIR, Advance, Checkpoint, KeyMapping, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
 )
 from rayexport.layouts.dcp_metadata import (
-    DCP_METADATA, NON_MODEL_NAMES, DcpTensor, describe_entry, detect_prefix, first_name, read_metadata, reason,
-    storage_reader, unwrap,
+    DCP_METADATA, NON_MODEL_NAMES, DcpTensor, describe_entry, detect_prefix, first_name, read_metadata,
 )
-from rayexport.layouts.mapped import mapped_ranges, release_pages
+from rayexport.layouts.dcp_spool import SpooledTensors, page_span, spool
+from rayexport.layouts.mapped import release_pages
 from rayexport.layouts.shards import ShardInfo
 from rayexport.plan.naming import model_names
 from rayexport.plan.schedule import assign_by_bytes, keep_ties_together
-from rayexport.scan import CHUNK_ELEMENTS, is_finite
 from rayexport.storage import Store
 
-# Where tensors start in a worker's spool file: a multiple of every dtype's size.
-SPOOL_ALIGNMENT = 64
 _DISTCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -59,24 +52,79 @@ class DcpCheckpoint(Checkpoint):
     def prefix(self) -> str:
         return self.keys.prefix
 
-    def share(self, num_workers: int, aliases: dict[str, str], load: LoadStep) -> Loaded:
+    def read_files(self) -> dict[str, int]:
+        """The `.distcp` files, with their sizes."""
+        return {name: self.store.size(name) for name in self.store.list() if _DISTCP_FILE.match(name)}
+
+    def share(
+        self, num_workers: int, aliases: dict[str, str], load: LoadStep, file_readers: dict[str, int] | None = None
+    ) -> Loaded:
         """Each worker reads a byte-balanced share of whole tensors, tied copies together, and
-        holds them as its own pseudo-rank."""
+        holds them as its own pseudo-rank. Where `file_readers` places the files (spread over
+        nodes, no worker reaches them all), each worker reads the chunks of its own files
+        instead, a pseudo-rank per file."""
+        if file_readers is not None:
+            return self._share_files(load, file_readers)
         name_of = {key: name for name, key in model_names(self.tensors)[0].items()}
         sizes = {key: tensor.nbytes for key, tensor in self.tensors.items()}
         assignment = keep_ties_together(assign_by_bytes(sizes, num_workers), aliases, name_of)
-        rank_infos = load({worker: (worker, keys) for worker, keys in enumerate(assignment) if keys})
+        rank_infos = load({worker: TensorsPart(worker, keys) for worker, keys in enumerate(assignment) if keys})
         holders = {key: {rank: infos[key]} for rank, infos in rank_infos.items() for key in infos}
         return Loaded(rank_infos, holders, {worker: worker for worker in range(num_workers)})
 
-    def part_bytes(self, part: tuple[int, list[str]]) -> int:
-        """The bytes of the tensors of `part` (pseudo-rank, model keys)."""
-        return sum(self.tensors[key].nbytes for key in part[1])
+    def _share_files(self, load: LoadStep, file_readers: dict[str, int]) -> Loaded:
+        if type(self.keys).transform is not KeyMapping.transform:
+            raise ExportError(
+                f"the key mapping of DCP checkpoint '{self.uri}' rewrites whole tensors, and its files are spread "
+                "over nodes, where each is read a chunk at a time"
+            )
+        parts: dict[int, dict[int, str]] = {}
+        rank_of_file = {name: rank for rank, name in enumerate(sorted(file_readers))}
+        for name, worker in file_readers.items():
+            parts.setdefault(worker, {})[rank_of_file[name]] = name
+        rank_infos = load({worker: FilesPart(files) for worker, files in parts.items()})
+        holders: dict[str, dict[int, ShardInfo]] = {}
+        for rank, infos in sorted(rank_infos.items()):
+            for key, info in infos.items():
+                holders.setdefault(key, {})[rank] = info
+        worker_of_rank = {rank_of_file[name]: worker for name, worker in file_readers.items()}
+        return Loaded(rank_infos, holders, worker_of_rank)
 
-    def read(self, part: tuple[int, list[str]], spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
-        """The whole tensors of `part` (pseudo-rank, model keys), read into this worker's spool."""
-        rank, keys = part
-        return {rank: read_tensors(self, keys, spool_dir)}
+    def part_bytes(self, part: "TensorsPart | FilesPart") -> int:
+        """The bytes a worker reads for `part`."""
+        return part.nbytes(self)
+
+    def read(self, part: "TensorsPart | FilesPart", spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
+        """The tensors of `part`, read into this worker's spool."""
+        return part.read(self, spool_dir)
+
+
+@dataclass(frozen=True)
+class TensorsPart:
+    """Whole tensors (model keys) one worker reads, held as its pseudo-rank `rank`."""
+
+    rank: int
+    keys: list[str]
+
+    def nbytes(self, checkpoint: DcpCheckpoint) -> int:
+        return sum(checkpoint.tensors[key].nbytes for key in self.keys)
+
+    def read(self, checkpoint: DcpCheckpoint, spool_dir: str) -> dict[int, SourceTensors]:
+        return {self.rank: read_tensors(checkpoint, self.keys, spool_dir)}
+
+
+@dataclass(frozen=True)
+class FilesPart:
+    """Whole `.distcp` files one worker reads on its node (pseudo-rank -> file name): the chunks
+    of the model's tensors each holds."""
+
+    files: dict[int, str]
+
+    def nbytes(self, checkpoint: DcpCheckpoint) -> int:
+        return sum(checkpoint.store.size(name) for name in self.files.values())
+
+    def read(self, checkpoint: DcpCheckpoint, spool_dir: str) -> dict[int, SourceTensors]:
+        return {rank: read_file_chunks(checkpoint, name, spool_dir) for rank, name in self.files.items()}
 
 
 class DcpLayout:
@@ -129,12 +177,24 @@ def find_dcp_checkpoint(
         tensors[model_key] = describe_entry(store, key, entries[key])
     if not tensors:
         raise ExportError(f"no model tensors under key prefix '{prefix}' in DCP checkpoint '{store.uri}'")
-    ranks = {match.group(1) for match in map(_DISTCP_FILE.match, store.list()) if match}
+    names = store.list()
+    missing = sorted(_files_of(metadata, {tensor.key for tensor in tensors.values()}) - set(names))
+    if missing and store.nowhere():
+        raise ExportError(f"DCP files {', '.join(missing)} of '{store.uri}' are {store.nowhere()}")
+    if missing:
+        raise ExportError(f"DCP checkpoint '{store.uri}' is missing '{missing[0]}'")
+    ranks = {match.group(1) for match in map(_DISTCP_FILE.match, names) if match}
     return DcpCheckpoint(
         store=store, world_size=len(ranks), layout="dcp",
         hf_folder=store.child(HF_DIR),
         skipped=sorted(skipped), keys=keys, tensors=tensors, unsafe_pickle=unsafe_pickle,
     )
+
+
+def _files_of(metadata: Metadata, stored_keys: set[str]) -> set[str]:
+    """The files that hold chunks of `stored_keys`, as `.metadata` records them."""
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    return {info.relative_path for index, info in storage.items() if index.fqn in stored_keys and hasattr(info, "relative_path")}
 
 
 def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> SpooledTensors:
@@ -158,29 +218,61 @@ def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> 
         raise ExportError(f"no tensor '{unknown[0]}' in DCP checkpoint '{store.uri}'")
     if not keys:
         return SpooledTensors({}, {}, None)
+    metadata = _unchanged_metadata(checkpoint, keys)
+    wanted = [checkpoint.tensors[key] for key in keys]
+    state, finite, path = spool(store, metadata, wanted, spool_dir)
+    try:
+        tensors = {key: _transformed(checkpoint.keys, key, state[tensor.key]) for key, tensor in zip(keys, wanted)}
+    except BaseException:
+        os.remove(path)
+        raise
+    return SpooledTensors(tensors, {key: finite[tensor.key] for key, tensor in zip(keys, wanted)}, path)
+
+
+def read_file_chunks(checkpoint: DcpCheckpoint, name: str, spool_dir: str) -> SpooledTensors:
+    """The chunks of the model's tensors that the `.distcp` file `name` holds, read into one
+    local spool file as `read_tensors` reads whole tensors, each described with its offset in
+    its tensor: how a checkpoint whose files are spread over nodes is read, on a node that holds
+    `name`, never touching another file."""
+    metadata = _unchanged_metadata(checkpoint, list(checkpoint.tensors))
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    chunks: dict[str, tuple[DcpTensor, tuple[int, ...]]] = {}
+    for model_key, tensor in checkpoint.tensors.items():
+        offsets = {
+            tuple(int(at) for at in chunk.offsets): tuple(int(size) for size in chunk.sizes)
+            for chunk in metadata.state_dict_metadata[tensor.key].chunks
+            if getattr(storage.get(MetadataIndex(tensor.key, chunk.offsets)), "relative_path", None) == name
+        }
+        if len(offsets) > 1:
+            raise ExportError(
+                f"DCP file '{checkpoint.store.display(name)}' holds {len(offsets)} chunks of '{tensor.key}'; "
+                "files spread over nodes are read one chunk of each tensor per file"
+            )
+        for offset, sizes in offsets.items():
+            nbytes = math.prod(sizes) * dtype_of(tensor.dtype).itemsize
+            chunks[model_key] = DcpTensor(tensor.key, sizes, tensor.dtype, nbytes), offset
+    wanted = [chunk for chunk, _ in chunks.values()]
+    state, finite, path = spool(
+        checkpoint.store, metadata, wanted, spool_dir, {chunk.key: offset for chunk, offset in chunks.values()}
+    )
+    return SpooledTensors(
+        {key: state[chunk.key] for key, (chunk, _) in chunks.items()},
+        {key: finite[chunk.key] for key, (chunk, _) in chunks.items()},
+        path,
+        {key: (offset, checkpoint.tensors[key].shape) for key, (_, offset) in chunks.items()},
+    )
+
+
+def _unchanged_metadata(checkpoint: DcpCheckpoint, keys: list[str]) -> Metadata:
+    """The checkpoint's `.metadata` read again, refusing a change to any of `keys` since it was listed."""
+    store = checkpoint.store
     metadata = read_metadata(store, checkpoint.unsafe_pickle)
     for key in keys:
         expected = checkpoint.tensors[key]
         entry = metadata.state_dict_metadata.get(expected.key)
         if not isinstance(entry, TensorStorageMetadata) or describe_entry(store, expected.key, entry) != expected:
             raise ExportError(f"tensor '{expected.key}' of DCP checkpoint '{store.uri}' changed since it was listed")
-    wanted = [checkpoint.tensors[key] for key in keys]
-    offsets, size = spool_offsets(wanted)
-    path = _new_spool_file(spool_dir, size, store.uri)
-    try:
-        spool = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        state = {tensor.key: _view(spool, offset, tensor) for tensor, offset in zip(wanted, offsets)}
-        finite = {tensor.key: True for tensor in wanted}
-        _load_into(store, metadata, state, finite)
-        tensors = {key: _transformed(checkpoint.keys, key, state[tensor.key]) for key, tensor in zip(keys, wanted)}
-    except BaseException:
-        os.remove(path)
-        raise
-    return SpooledTensors(
-        tensors,
-        {key: finite[tensor.key] for key, tensor in zip(keys, wanted)},
-        path,
-    )
+    return metadata
 
 
 def _transformed(keys: KeyMapping, model_key: str, stored: torch.Tensor) -> torch.Tensor:
@@ -188,122 +280,7 @@ def _transformed(keys: KeyMapping, model_key: str, stored: torch.Tensor) -> torc
     value = keys.transform(model_key, stored)
     if value is not stored:
         stored.copy_(value)
-    release_pages([_page_span(stored)])
+    release_pages([page_span(stored)])
     return stored
-
-
-class SpooledTensors(SourceTensors):
-    """A worker's share of a DCP checkpoint: whole tensors by model key, views of one spool file
-    mapped into this process (read from disk only when touched), and whether each is finite."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], finite: dict[str, bool], path: str | None) -> None:
-        self.tensors = tensors
-        self.finite = finite
-        self.path = path  # None when it holds nothing
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.tensors[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
-        """Every tensor as a plain, whole tensor, with the finiteness found while reading it."""
-        infos = {}
-        for key, tensor in self.tensors.items():
-            infos[key] = ShardInfo(local_shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype), finite=self.finite[key])
-            advance(tensor.nbytes)
-        return infos
-
-    def mapped_ranges(self) -> list[tuple[int, int]]:
-        """The address ranges of the spool file's mapping, for `release_pages`."""
-        return mapped_ranges(self.path) if self.path else []
-
-
-def spool_offsets(tensors: list[DcpTensor]) -> tuple[list[int], int]:
-    """Where each tensor starts in a spool file, each aligned for any dtype, and the file's size
-    (never 0, which `posix_fallocate` refuses)."""
-    offsets, position = [], 0
-    for tensor in tensors:
-        offsets.append(position)
-        position += -(-tensor.nbytes // SPOOL_ALIGNMENT) * SPOOL_ALIGNMENT
-    return offsets, max(position, SPOOL_ALIGNMENT)
-
-
-def _new_spool_file(spool_dir: str, size: int, uri: str) -> str:
-    """A new file of `size` bytes in `spool_dir`, its blocks allocated now where the OS can
-    (Linux): a full disk is an error here, not a SIGBUS when a write through the mapping finds no
-    block."""
-    handle, path = tempfile.mkstemp(prefix="dcp-", suffix=".tensors", dir=spool_dir)
-    try:
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(handle, 0, size)
-        else:
-            os.ftruncate(handle, size)
-    except OSError as error:
-        os.remove(path)
-        raise ExportError(
-            f"cannot make a {size}-byte spool file in '{spool_dir}' for DCP checkpoint '{uri}': {reason(error)}"
-        ) from None
-    finally:
-        os.close(handle)
-    return path
-
-
-def _view(spool: torch.Tensor, offset: int, tensor: DcpTensor) -> torch.Tensor:
-    data = spool[offset:offset + tensor.nbytes]
-    return data.view(dtype_of(tensor.dtype)).reshape(tensor.shape)
-
-
-def _load_into(store: Store, metadata: Metadata, state: dict[str, torch.Tensor], finite: dict[str, bool]) -> None:
-    """Fill `state` (stored keys to views of the spool) with one `load`, chunk by chunk; clear
-    `finite[key]` when a chunk of `key` holds NaN or Inf."""
-
-    def landed(key: str, chunk: torch.Tensor) -> None:
-        finite[key] = finite[key] and _chunk_is_finite(chunk)
-        release_pages([_page_span(state[key])])
-
-    try:
-        with warnings.catch_warnings():
-            # load() warns that it assumes a single process when no process group exists: intended.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            reader = storage_reader(store, metadata)
-            dcp.load(state, storage_reader=reader, planner=_WatchingPlanner(landed), no_dist=True)
-    except (Exception, CheckpointException) as error:  # noqa: BLE001 - torch and storage clients raise many types
-        error = unwrap(error)
-        if isinstance(error, FileNotFoundError):
-            missing = os.path.basename(str(error.filename or error.args[-1]))
-            raise ExportError(f"DCP checkpoint '{store.uri}' is missing '{missing}'") from None
-        raise ExportError(f"cannot read DCP checkpoint '{store.uri}': {reason(error)}") from None
-
-
-class _WatchingPlanner(DefaultLoadPlanner):
-    """torch's load planner, calling `landed(stored key, region)` once each chunk is copied to its
-    region of the tensor."""
-
-    def __init__(self, landed: Callable[[str, torch.Tensor], None]) -> None:
-        super().__init__()
-        self.landed = landed
-
-    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
-        self.landed(read_item.dest_index.fqn, tensor)
-
-
-def _chunk_is_finite(region: torch.Tensor) -> bool:
-    """`is_finite` of a region of a tensor, which is strided when the chunk is not whole rows:
-    checked a block of rows at a time, so only a block is ever copied."""
-    if region.is_contiguous():
-        return is_finite(region)
-    rows = max(1, CHUNK_ELEMENTS // max(1, region[0].numel()))
-    return all(is_finite(block.contiguous()) for block in region.split(rows))
-
-
-def _page_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The addresses of a contiguous tensor's bytes, widened to whole pages."""
-    start = tensor.data_ptr()
-    return start - start % mmap.PAGESIZE, start + tensor.nbytes
 
 

@@ -42,11 +42,9 @@ class DcpTensor:
     nbytes: int
 
 
-def storage_reader(store: Store, metadata: Metadata | None = None, unsafe_pickle: bool = False):
-    """torch's storage reader for `store`: plain files when local, fsspec otherwise.
-
-    Given `metadata`, the reader hands it to `load` instead of fetching `.metadata` again.
-    """
+def storage_reader(store: Store, metadata: Metadata):
+    """torch's storage reader for `store` (plain files when local, fsspec otherwise), handed
+    the `metadata` that `read_metadata` read instead of fetching `.metadata` again."""
     if store.is_local:
         reader = _CheckedFileSystemReader(store.path())
     else:
@@ -55,28 +53,19 @@ def storage_reader(store: Store, metadata: Metadata | None = None, unsafe_pickle
         options = store.options if protocol in ("s3", "s3a") else {}
         reader = _CheckedFsspecReader(store.uri, **options)
     reader.known_metadata = metadata
-    reader.unsafe_pickle = unsafe_pickle
     return reader
 
 
 class _CheckedMetadataReading:
-    """torch's reader, but `.metadata` is read once and unpickled with an allow-list: torch's
-    own `read_metadata` is a bare `pickle.load`, which runs whatever code the file holds."""
+    """torch's reader, but with the `.metadata` that `read_metadata` read through the Store and
+    unpickled with an allow-list: torch's own `read_metadata` is a bare `pickle.load`, which
+    runs whatever code the file holds."""
 
-    known_metadata: Metadata | None = None
-    unsafe_pickle: bool = False
+    known_metadata: Metadata
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        if self.known_metadata is not None:
-            return self.known_metadata
-        if self.unsafe_pickle:
-            return super().read_metadata(*args, **kwargs)
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        self.known_metadata.storage_meta.load_id = self.load_id
+        return self.known_metadata
 
 
 class _CheckedFileSystemReader(_CheckedMetadataReading, FileSystemReader):
@@ -128,11 +117,14 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(store: Store, unsafe_pickle: bool = False) -> Metadata:
+    """The checkpoint's `.metadata`, read through `store` (so from whichever node holds it) and
+    unpickled allowing only the classes DCP metadata is made of, unless `unsafe_pickle`."""
     where = store.display(DCP_METADATA)
+    if not store.exists(DCP_METADATA):
+        raise ExportError(f"no DCP metadata file '{where}'")
+    data = store.read_bytes(DCP_METADATA)
     try:
-        metadata = storage_reader(store, unsafe_pickle=unsafe_pickle).read_metadata()
-    except FileNotFoundError:
-        raise ExportError(f"no DCP metadata file '{where}'") from None
+        metadata = pickle.loads(data) if unsafe_pickle else _MetadataUnpickler(io.BytesIO(data)).load()
     except _RefusedGlobal as refused:
         raise ExportError(
             f"DCP metadata '{where}' refers to '{refused}', which DCP metadata never needs; "
@@ -142,6 +134,8 @@ def read_metadata(store: Store, unsafe_pickle: bool = False) -> Metadata:
         raise ExportError(f"DCP metadata '{where}' cannot be read: {reason(error)}") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise ExportError(f"'{where}' is not DCP metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
     return metadata
 
 

@@ -33,7 +33,13 @@ def weight_files(store: Store) -> list[str]:
 class BaseModelFolder(Checkpoint):
     """A base model's folder (`--base-model`), whole tensors in safetensors files."""
 
-    def share(self, num_workers: int, aliases: dict[str, str], load: LoadStep) -> Loaded:
+    def read_files(self) -> dict[str, int]:
+        """The weight files, with their sizes."""
+        return {name: self.store.size(name) for name in weight_files(self.store)}
+
+    def share(
+        self, num_workers: int, aliases: dict[str, str], load: LoadStep, file_readers: dict[str, int] | None = None
+    ) -> Loaded:
         """The exporter reads every tensor."""
         rank_infos = load({0: None})
         holders = {key: {BASE_MODEL_RANK: info} for key, info in rank_infos[BASE_MODEL_RANK].items()}
@@ -41,7 +47,7 @@ class BaseModelFolder(Checkpoint):
 
     def part_bytes(self, part: None) -> int:
         """The bytes of the folder's weight files."""
-        return sum(self.store.size(name) for name in weight_files(self.store))
+        return sum(self.read_files().values())
 
     def read(self, part: None, spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
         """The folder's tensors, memory-mapped (remote files spooled first)."""

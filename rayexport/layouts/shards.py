@@ -24,6 +24,8 @@ class ShardInfo:
     mesh_ranks: tuple[int, ...] | None = None  # the device mesh, flattened row-major
     coordinate: tuple[int, ...] | None = None
     finite: bool = True  # False when this rank's part holds NaN or Inf
+    # where the part starts in the global tensor, where the reader is told outright (a DCP chunk)
+    offset: tuple[int, ...] | None = None
 
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor:

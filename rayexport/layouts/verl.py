@@ -42,12 +42,22 @@ class VerlCheckpoint(Checkpoint):
     rank_files: tuple[str, ...] = ()
     unsafe_pickle: bool = False
 
-    def share(self, num_workers: int, aliases: dict[str, str], load: LoadStep) -> Loaded:
+    def read_files(self) -> dict[str, int]:
+        """The rank files, with their sizes."""
+        return {name: self.store.size(name) for name in self.rank_files}
+
+    def share(
+        self, num_workers: int, aliases: dict[str, str], load: LoadStep, file_readers: dict[str, int] | None = None
+    ) -> Loaded:
         """Rank 0's file (read by worker 0) tells which ranks hold data not found elsewhere
-        (HSDP replicas are skipped); those are spread over the workers, whole files each."""
+        (HSDP replicas are skipped); those are spread over the workers (or read where
+        `file_readers` says), whole files each."""
         rank_infos = load({0: [0]})
         ranks = needed_ranks(rank_infos[0], self.world_size)
-        worker_of_rank = assign_ranks(ranks, num_workers)
+        if file_readers is None:
+            worker_of_rank = assign_ranks(ranks, num_workers)
+        else:
+            worker_of_rank = {rank: file_readers[self.rank_files[rank]] for rank in ranks}
         rest: dict[int, list[int]] = {}
         for rank in ranks[1:]:
             rest.setdefault(worker_of_rank[rank], []).append(rank)
@@ -144,9 +154,12 @@ def find_verl_checkpoint(store: Store, unsafe_pickle: bool = False) -> VerlCheck
             f"'{store.display(FSDP_CONFIG)}' says world_size {configured_world_size} "
             f"but the rank files are for world size {world_size}"
         )
-    for rank in range(world_size):
-        if rank not in ranks:
-            raise ExportError(f"missing rank file '{store.display(rank_file_name(world_size, rank))}'")
+    missing = [rank for rank in range(world_size) if rank not in ranks]
+    if missing and store.nowhere():
+        plural = "s" if len(missing) > 1 else ""
+        raise ExportError(f"rank file{plural} {spans(missing)} of world size {world_size} {'are' if plural else 'is'} {store.nowhere()}")
+    if missing:
+        raise ExportError(f"missing rank file '{store.display(rank_file_name(world_size, missing[0]))}'")
     extra = sorted(rank for rank in ranks if rank >= world_size)
     if extra:
         raise ExportError(f"unexpected rank file '{store.display(ranks[extra[0]])}'")
@@ -160,6 +173,17 @@ def find_verl_checkpoint(store: Store, unsafe_pickle: bool = False) -> VerlCheck
         rank_files=tuple(ranks[rank] for rank in range(world_size)),
         unsafe_pickle=unsafe_pickle,
     )
+
+
+def spans(numbers: list[int]) -> str:
+    """Sorted numbers as runs, for messages: [0, 1, 2, 5] -> '0-2, 5'."""
+    runs: list[list[int]] = []
+    for number in sorted(numbers):
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
 
 
 def load_rank_state(

@@ -68,7 +68,8 @@ def tensor_pieces(key: str, infos: dict[int, ShardInfo], shape: tuple[int, ...])
 def dtensor_pieces(
     key: str, infos: dict[int, ShardInfo], expected_shape: tuple[int, ...]
 ) -> tuple[Piece, ...]:
-    """Pieces of a DTensor: one per rank that holds a first-replica shard."""
+    """Pieces of a DTensor: one per rank that holds a first-replica shard (or, where the
+    reader was told its offset, a DCP chunk: saved chunks are never replicas)."""
     pieces = []
     for rank in sorted(infos):
         info = infos[rank]
@@ -77,7 +78,7 @@ def dtensor_pieces(
                 f"tensor '{key}' in rank {rank} has global shape {list(info.global_shape or ())}, "
                 f"but the config's model expects {list(expected_shape)}"
             )
-        extent = shard_extent(info, key, rank)
+        extent = shard_extent(info, key, rank) if info.offset is None else (info.offset, info.local_shape)
         if extent is None:
             continue
         offset, shape = extent

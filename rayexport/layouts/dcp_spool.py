@@ -1,0 +1,199 @@
+"""A worker's share of a DCP checkpoint in one local spool file: tensors (or chunks of them)
+read by `torch.distributed.checkpoint.load` without a process group, each chunk copied straight
+into its place in the memory-mapped file, checked for NaN and Inf, and its pages given back, so
+that the worker holds about one chunk at a time while it reads."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import warnings
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from rayexport.dtypes import dtype_name, dtype_of
+from rayexport.errors import ExportError
+from rayexport.layouts.base import Advance, SourceTensors
+from rayexport.layouts.dcp_metadata import DcpTensor, reason, storage_reader, unwrap
+from rayexport.layouts.mapped import mapped_ranges, release_pages
+from rayexport.layouts.shards import ShardInfo
+from rayexport.scan import CHUNK_ELEMENTS, is_finite
+from rayexport.storage import Store
+
+# Where tensors start in a worker's spool file: a multiple of every dtype's size.
+SPOOL_ALIGNMENT = 64
+
+
+def spool(
+    store: Store, metadata: Metadata, wanted: list[DcpTensor], spool_dir: str,
+    chunk_offsets: dict[str, tuple[int, ...]] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, bool], str]:
+    """Read `wanted` (whole tensors, or with `chunk_offsets` the chunks starting there) into a
+    new spool file: their views by stored key, whether each is finite, and the file's path."""
+    offsets, size = spool_offsets(wanted)
+    path = _new_spool_file(spool_dir, size, store.uri)
+    try:
+        spool = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        state = {tensor.key: _view(spool, offset, tensor) for tensor, offset in zip(wanted, offsets)}
+        finite = {tensor.key: True for tensor in wanted}
+        _load_into(store, metadata, state, finite, chunk_offsets)
+    except BaseException:
+        os.remove(path)
+        raise
+    return state, finite, path
+
+
+class SpooledTensors(SourceTensors):
+    """A worker's share of a DCP checkpoint: whole tensors by model key, views of one spool file
+    mapped into this process (read from disk only when touched), and whether each is finite."""
+
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], finite: dict[str, bool], path: str | None,
+        chunks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+    ) -> None:
+        self.tensors = tensors
+        self.finite = finite
+        self.path = path  # None when it holds nothing
+        self.chunks = chunks or {}  # model key -> (offset, global shape), for chunks of tensors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
+        """Every tensor (a plain, whole tensor, or a chunk placed in its tensor), with the
+        finiteness found while reading it."""
+        infos = {}
+        for key, tensor in self.tensors.items():
+            offset, global_shape = self.chunks.get(key, (None, None))
+            infos[key] = ShardInfo(
+                local_shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype), finite=self.finite[key],
+                global_shape=global_shape, offset=offset,
+            )
+            advance(tensor.nbytes)
+        return infos
+
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        """The address ranges of the spool file's mapping, for `release_pages`."""
+        return mapped_ranges(self.path) if self.path else []
+
+
+def spool_offsets(tensors: list[DcpTensor]) -> tuple[list[int], int]:
+    """Where each tensor starts in a spool file, each aligned for any dtype, and the file's size
+    (never 0, which `posix_fallocate` refuses)."""
+    offsets, position = [], 0
+    for tensor in tensors:
+        offsets.append(position)
+        position += -(-tensor.nbytes // SPOOL_ALIGNMENT) * SPOOL_ALIGNMENT
+    return offsets, max(position, SPOOL_ALIGNMENT)
+
+
+def _new_spool_file(spool_dir: str, size: int, uri: str) -> str:
+    """A new file of `size` bytes in `spool_dir`, its blocks allocated now where the OS can
+    (Linux): a full disk is an error here, not a SIGBUS when a write through the mapping finds no
+    block."""
+    handle, path = tempfile.mkstemp(prefix="dcp-", suffix=".tensors", dir=spool_dir)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(handle, 0, size)
+        else:
+            os.ftruncate(handle, size)
+    except OSError as error:
+        os.remove(path)
+        raise ExportError(
+            f"cannot make a {size}-byte spool file in '{spool_dir}' for DCP checkpoint '{uri}': {reason(error)}"
+        ) from None
+    finally:
+        os.close(handle)
+    return path
+
+
+def _view(spool: torch.Tensor, offset: int, tensor: DcpTensor) -> torch.Tensor:
+    data = spool[offset:offset + tensor.nbytes]
+    return data.view(dtype_of(tensor.dtype)).reshape(tensor.shape)
+
+
+def _load_into(
+    store: Store, metadata: Metadata, state: dict[str, torch.Tensor], finite: dict[str, bool],
+    chunk_offsets: dict[str, tuple[int, ...]] | None = None,
+) -> None:
+    """Fill `state` (stored keys to views of the spool) with one `load`, chunk by chunk; clear
+    `finite[key]` when a chunk of `key` holds NaN or Inf. With `chunk_offsets`, each view is
+    the one saved chunk of its tensor that starts there."""
+
+    def landed(key: str, chunk: torch.Tensor) -> None:
+        finite[key] = finite[key] and _chunk_is_finite(chunk)
+        release_pages([page_span(state[key])])
+
+    try:
+        with warnings.catch_warnings():
+            # load() warns that it assumes a single process when no process group exists: intended.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            reader = storage_reader(store, metadata)
+            planner = _WatchingPlanner(landed) if chunk_offsets is None else _ChunkPlanner(landed, chunk_offsets)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - torch and storage clients raise many types
+        error = unwrap(error)
+        if isinstance(error, FileNotFoundError):
+            missing = os.path.basename(str(error.filename or error.args[-1]))
+            raise ExportError(f"DCP checkpoint '{store.uri}' is missing '{missing}'") from None
+        raise ExportError(f"cannot read DCP checkpoint '{store.uri}': {reason(error)}") from None
+
+
+class _WatchingPlanner(DefaultLoadPlanner):
+    """torch's load planner, calling `landed(stored key, region)` once each chunk is copied to its
+    region of the tensor."""
+
+    def __init__(self, landed: Callable[[str, torch.Tensor], None]) -> None:
+        super().__init__()
+        self.landed = landed
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        self.landed(read_item.dest_index.fqn, tensor)
+
+
+class _ChunkPlanner(_WatchingPlanner):
+    """The watching planner for views that each hold one saved chunk (starting at
+    `offsets[key]`), not a whole tensor: it plans the reads of those chunks alone."""
+
+    def __init__(self, landed: Callable[[str, torch.Tensor], None], offsets: dict[str, tuple[int, ...]]) -> None:
+        super().__init__(landed)
+        self.offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, view in self.state_dict.items():
+            chunk = ChunkStorageMetadata(offsets=torch.Size(self.offsets[key]), sizes=view.size())
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]
+
+
+def _chunk_is_finite(region: torch.Tensor) -> bool:
+    """`is_finite` of a region of a tensor, which is strided when the chunk is not whole rows:
+    checked a block of rows at a time, so only a block is ever copied."""
+    if region.is_contiguous():
+        return is_finite(region)
+    rows = max(1, CHUNK_ELEMENTS // max(1, region[0].numel()))
+    return all(is_finite(block.contiguous()) for block in region.split(rows))
+
+
+def page_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses of a contiguous tensor's bytes, widened to whole pages."""
+    start = tensor.data_ptr()
+    return start - start % mmap.PAGESIZE, start + tensor.nbytes
