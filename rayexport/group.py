@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +17,11 @@ from rayexport.assembly import assemble
 from rayexport.dtypes import nbytes
 from rayexport.errors import ExportError
 from rayexport.layouts.base import Checkpoint, Loaded, Part
+from rayexport.nodes import ClusterNodes, ensure_ray
 from rayexport.options import ExportOptions
-from rayexport.placement import Devices, choose_devices, missing_resources
+from rayexport.placement import (
+    Devices, NodePlacement, choose_devices, missing_resources, pin_writers, place_by_files, reading_node, worker_capacity,
+)
 from rayexport.plan.naming import TensorPlan, TensorPlanning
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import TransferPlan, group_by_bytes
@@ -48,18 +50,6 @@ def _bundle_text(bundle: dict[str, float]) -> str:
     return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in bundle.items()) + "}"
 
 
-def _ensure_ray(options: ExportOptions) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=options.log_level, log_to_driver=True)
-    else:
-        ray.init(include_dashboard=False, logging_level=options.log_level, log_to_driver=True)
-
-
 @dataclass
 class Transferred:
     """What the gather wrote: every file (size, sha256), each tensor's digest, and each
@@ -84,7 +74,7 @@ class WorkerGroup:
         devices `choose_devices` picks from what is free now; not started yet."""
         import ray
 
-        _ensure_ray(options)
+        ensure_ray(options)
         if options.workers is not None:
             size = min(options.workers, world_size)
         else:
@@ -105,7 +95,11 @@ class WorkerGroup:
         written export in a separate Ray task; each one's result by its name."""
         import ray
 
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         task = ray.remote(num_cpus=1, max_retries=0)(run_consumer_checks)
+        if destination.node is not None:  # a local destination on one node of several: checked there
+            task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(destination.node, soft=False))
         limit = step_limit(options, job_deadline)
         reference = task.remote(destination, expected, limit[0], options.memory_bound_bytes)
         return get_all([reference], limit, on_failure=lambda: ray.cancel(reference, force=True))[0]
@@ -119,6 +113,8 @@ class WorkerGroup:
         self.placement_group = None
         self.keeper = None
         self.reused = False
+        self.nodes = NodePlacement((None,) * size)
+        self.export_node: str | None = None  # the node whose disk a local destination is on, where there are several
         # Names this export's spool folders on every node (rayexport.spool).
         self.export_id = spool.new_export_id(job_deadline - time.monotonic())
 
@@ -129,7 +125,49 @@ class WorkerGroup:
 
     @property
     def shape(self) -> str:
-        return group_shape(self.size, self.devices.backend, self.options.num_cpus_per_worker, self.devices.gpus_per_worker)
+        shape = group_shape(self.size, self.devices.backend, self.options.num_cpus_per_worker, self.devices.gpus_per_worker)
+        if self.nodes.pinned:
+            shape += " on " + ",".join(node[:8] if node else "*" for node in self.nodes.worker_nodes)
+        return shape
+
+    @property
+    def _bundle(self) -> dict[str, float]:
+        gpus = self.devices.gpus_per_worker
+        return {"CPU": self.options.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+
+    def place_on_nodes(self, checkpoint: Checkpoint, cluster: ClusterNodes, export_node: str | None) -> None:
+        """Pin the workers to nodes, before `start`: where the checkpoint's files are spread over
+        nodes, each file is read on a node that holds it (at least one worker per such node,
+        worker 0 reading the first file); a local destination (`export_node`) gets every writer.
+        Logs, per node, the files it reads and the workers reading them."""
+        self.export_node = export_node
+        capacity = {node: worker_capacity(resources, self._bundle) for node, resources in cluster.resources.items()}
+        writers = self.options.writers if export_node is not None else 1
+        files = checkpoint.read_files()
+        holders = {name: checkpoint.store.holders(name) for name in files}
+        if any(found is not None for found in holders.values()):
+            first = next(iter(files))
+            first_node = export_node or reading_node(holders[first], capacity, checkpoint.store.display(first), cluster.labels)
+            self.nodes = place_by_files(files, holders, first_node, self.size, capacity, cluster.labels, writers)
+            for node in dict.fromkeys(self.nodes.worker_nodes):
+                workers = [index for index, at in enumerate(self.nodes.worker_nodes) if at == node]
+                read = sorted(name for name, worker in self.nodes.file_readers.items() if worker in workers)
+                log.info("node %s: worker(s) %s read %s", cluster.labels[node], ", ".join(map(str, workers)), ", ".join(read))
+        elif export_node is not None:
+            self.nodes = pin_writers(export_node, self.size, writers, capacity)
+        else:
+            return
+        if len(self.nodes.worker_nodes) != self.size:
+            log.info("%d worker(s) instead of %d, one or more on each node that holds files", len(self.nodes.worker_nodes), self.size)
+            self.size = len(self.nodes.worker_nodes)
+
+    @property
+    def writers_limit(self) -> int | None:
+        """How many workers may write (the first ones, pinned to a local destination's node);
+        None: any."""
+        if self.export_node is None:
+            return None
+        return sum(node == self.export_node for node in self.nodes.worker_nodes)
 
     def start(self) -> None:
         """Take an idle group from the warm pool if there is one of this shape, else start one:
@@ -179,9 +217,11 @@ class WorkerGroup:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        gpus = self.devices.gpus_per_worker
-        bundle = {"CPU": self.options.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        self.placement_group = placement_group([bundle] * self.size, strategy="PACK", **self._lifetime)
+        bundle = self._bundle
+        selectors = {}
+        if self.nodes.pinned:
+            selectors["bundle_label_selector"] = [{"ray.io/node-id": node} if node else {} for node in self.nodes.worker_nodes]
+        self.placement_group = placement_group([bundle] * self.size, strategy="PACK", **selectors, **self._lifetime)
         wait_s = min(step_limit(self.options, self.job_deadline)[0], self.options.placement_timeout_s)
         if ray.wait([self.placement_group.ready()], timeout=wait_s)[0]:
             return
@@ -207,7 +247,7 @@ class WorkerGroup:
                 infos.update(part)
             return infos
 
-        return checkpoint.share(self.size, aliases, step)
+        return checkpoint.share(self.size, aliases, step, self.nodes.file_readers)
 
     def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
         """Max |canonical - alias| per pair of source keys, over every worker that holds both;

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rayexport.dtypes import nbytes
 from rayexport.errors import ExportError
+from rayexport.export_plan import ExportPlan, plan_export
 from rayexport.group import Transferred, WorkerGroup
-from rayexport.layouts.base import Checkpoint, Loaded, SourceSettings
+from rayexport.layouts.base import Loaded
 from rayexport.layouts.hf import base_model_folder
-from rayexport.layouts.registry import find_checkpoint
 from rayexport.levels import resolved, runs_checks
 from rayexport.lora import ADAPTER_WEIGHTS
-from rayexport.manifest import MANIFEST_NAME, build_manifest, commit, read_manifest
+from rayexport.manifest import MANIFEST_NAME, build_manifest, commit
 from rayexport.memory import peak_rss_bytes
 from rayexport.model import ModelDescription, describe_model, generated_files, hf_folder
 from rayexport.options import ExportOptions
@@ -30,7 +29,7 @@ from rayexport.plan.formats import ModelFormats
 from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, plan_holdings
 from rayexport.plan.schedule import ShardFile, TransferPlan, plan_shard_files, plan_transfer, safetensors_order
 from rayexport.report import ExportReport, timed_stage
-from rayexport.storage import Store, storage_options_from_env
+from rayexport.storage import Store
 from rayexport.ties import check_tied_values
 from rayexport.verification.consumers import consumer_warnings
 from rayexport.verification.expected import ExpectedExport
@@ -39,24 +38,6 @@ from rayexport.verification.structure import conclude
 from rayexport.workers import WorkerStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ExportPlan:
-    """What the driver knows before any worker reads: where from and to, the checkpoint as its
-    layout describes it, the options, the deadline, and each stage's seconds so far."""
-
-    options: ExportOptions
-    destination: Store
-    checkpoint: Checkpoint
-    base_model: Store | None
-    job_deadline: float
-    existing: dict[str, Any] | None = None  # the manifest of an export already at DST
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def source(self) -> Store:
-        return self.checkpoint.store
 
 
 @dataclass
@@ -124,28 +105,6 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
     return _report(plan, group, output, written, verification, reload_memory)
 
 
-def plan_export(options: ExportOptions) -> ExportPlan:
-    """The driver's first step: find the checkpoint (its layout) and what DST already holds;
-    refuse a destination inside the source, or a committed export of other options without
-    --force."""
-    job_deadline = time.monotonic() + options.deadline_s
-    storage_options = storage_options_from_env(options.storage_options)
-    source = Store(options.src, storage_options)
-    destination = Store(options.dst, storage_options)
-    seconds: dict[str, float] = {}
-    with timed_stage(seconds, "plan"):
-        _check_destination(source, destination)
-        checkpoint = find_checkpoint(source, options.layout, SourceSettings(options.dcp_prefix, options.unsafe_pickle))
-        existing = read_manifest(destination)
-        if existing is not None and not options.force and not _same_export(existing, checkpoint, options):
-            raise ExportError(
-                f"'{destination.uri}' already holds a committed export of "
-                f"{existing.get('source')} with other options; pass --force to replace it"
-            )
-    base_model = Store(options.base_model, storage_options) if options.base_model else None
-    return ExportPlan(options, destination, checkpoint, base_model, job_deadline, existing, seconds)
-
-
 def _load(plan: ExportPlan, group: WorkerGroup, model: ModelDescription) -> Source:
     """The workers read their share of the checkpoint (tied copies together) and, for a
     LoRA-only checkpoint, the exporter the base model's weights."""
@@ -184,8 +143,13 @@ def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, 
         ShardFile(ADAPTER_WEIGHTS, tuple(tensor.name for tensor in safetensors_order(planning.adapters)))
     ] if planning.adapters else []
     by_name = {tensor.name: tensor for tensor in planning.tensors + planning.adapters}
+    writers = options.writers
+    if group.writers_limit is not None and writers > group.writers_limit:
+        log.info("%d writer(s) instead of --writers %d: a local --dst is written by the workers on its node only",
+                 group.writers_limit, writers)
+        writers = group.writers_limit
     transfer = plan_transfer(
-        shard_files + adapter_files, by_name, source.loaded.worker_of_rank, group.size, options.bucket_size, options.writers
+        shard_files + adapter_files, by_name, source.loaded.worker_of_rank, group.size, options.bucket_size, writers
     )
     return OutputPlan(planning, untied, dtype, dtype_reason, by_name, split, transfer)
 
@@ -252,6 +216,7 @@ def _report(
         files_by_worker={worker: stats.files_written for worker, stats in by_worker.items()},
         placement={worker: {"node": stats.node, "pid": stats.pid, "device": stats.device} for worker, stats in by_worker.items()},
         warm_start=group.reused, files=written.files, verification=verification, skipped=list(plan.checkpoint.skipped),
+        export_node=plan.cluster.labels[plan.export_node] if plan.export_node else None,
     )
 
 
@@ -284,6 +249,8 @@ def _start_group(group_type: type[WorkerGroup], plan: ExportPlan, describing: Fu
     report the start's error, not the planning thread's)."""
     try:
         group = group_type.for_export(plan.options, plan.checkpoint.world_size, plan.job_deadline)
+        if plan.cluster is not None:
+            group.place_on_nodes(plan.checkpoint, plan.cluster, plan.export_node)
         try:
             group.start()
         except BaseException:
@@ -353,17 +320,6 @@ def _with_consumer_checks(
     for warning in consumer_warnings(results):
         log.warning("verification: %s", warning)
     return verification_outcome(expected.level, checks, results)
-
-
-def _check_destination(source: Store, destination: Store) -> None:
-    if type(source.fs) is type(destination.fs) and (
-        destination.root == source.root or destination.root.startswith(source.root.rstrip("/") + "/")
-    ):
-        raise ExportError(f"destination '{destination.uri}' is inside source '{source.uri}'")
-
-
-def _same_export(manifest: dict[str, Any], checkpoint: Checkpoint, options: ExportOptions) -> bool:
-    return manifest.get("source") == checkpoint.uri and manifest.get("options") == options.recorded()
 
 
 def _already_committed(plan: ExportPlan) -> ExportReport:

@@ -79,3 +79,79 @@ def missing_resources(bundle: dict[str, float], count: int, free: dict[str, floa
     if short:
         return "missing " + "; ".join(short)
     return "enough is free in all, but not on the nodes together as the bundles need"
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Which node each worker must run on (None: wherever the cluster places it), and, for a
+    source whose files are spread over nodes, the worker that reads each file."""
+
+    worker_nodes: tuple[str | None, ...]
+    file_readers: dict[str, int] | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return any(node is not None for node in self.worker_nodes)
+
+
+def reading_node(holders: tuple[str, ...], capacity: dict[str, int], name: str, labels: dict[str, str]) -> str:
+    """The node that reads the file `name`: the first of its `holders` with room for a worker."""
+    roomy = [node for node in holders if capacity.get(node, 0) > 0]
+    if not roomy:
+        where = ", ".join(labels.get(node, node) for node in holders)
+        raise ExportError(f"'{name}' is only on {where}, where no worker of this export fits")
+    return roomy[0]
+
+
+def place_by_files(
+    files: dict[str, int], holders: dict[str, tuple[str, ...]], first_node: str, num_workers: int,
+    capacity: dict[str, int], labels: dict[str, str], writers: int = 1,
+) -> NodePlacement:
+    """Place workers where the files are: the first file (rank 0's) on `first_node` by worker 0,
+    every other file read once, on one of its holders (the least loaded), at least one worker
+    on each node that reads any, `writers` on the first node where they fit, and the rest of
+    `num_workers` given to the nodes with the most bytes per worker, within each node's
+    `capacity` (workers it can hold). Within a node, files go byte-balanced to its workers."""
+    first = next(iter(files))
+    node_of = {first: first_node}
+    load = {first_node: files[first]}
+    for name in sorted(files, key=lambda name: (-files[name], name)):
+        if name != first:
+            candidates = [node for node in holders[name] if capacity.get(node, 0) > 0]
+            if not candidates:
+                reading_node(holders[name], capacity, name, labels)
+            node = min(candidates, key=lambda node: (load.get(node, 0), labels.get(node, node)))
+            node_of[name] = node
+            load[node] = load.get(node, 0) + files[name]
+    nodes = [first_node] + sorted((node for node in load if node != first_node), key=lambda node: labels.get(node, node))
+    count = {node: 1 for node in nodes}
+    count[first_node] = max(1, min(writers, capacity[first_node]))
+    while sum(count.values()) < num_workers:
+        roomy = [node for node in nodes if count[node] < capacity[node]]
+        if not roomy:
+            break
+        busiest = max(roomy, key=lambda node: (load[node] / count[node], -nodes.index(node)))
+        count[busiest] += 1
+    worker_nodes = tuple(node for node in nodes for _ in range(count[node]))
+    file_readers = {first: 0}
+    for node in nodes:
+        workers = [index for index, at in enumerate(worker_nodes) if at == node]
+        loads = {worker: files[first] if worker == 0 else 0 for worker in workers}
+        for name in sorted((name for name in files if node_of[name] == node and name != first), key=lambda name: (-files[name], name)):
+            worker = min(workers, key=lambda worker: (loads[worker], worker))
+            file_readers[name] = worker
+            loads[worker] += files[name]
+    return NodePlacement(worker_nodes, file_readers)
+
+
+def pin_writers(node: str, num_workers: int, writers: int, capacity: dict[str, int]) -> NodePlacement:
+    """Workers 0.. (the writers, at least one) on `node`, which holds a local destination; the
+    rest wherever the cluster places them."""
+    pinned = max(1, min(writers, num_workers, capacity.get(node, 0)))
+    return NodePlacement((node,) * pinned + (None,) * (num_workers - pinned))
+
+
+def worker_capacity(resources: dict[str, float], bundle: dict[str, float]) -> int:
+    """How many workers of `bundle` a node with `resources` (its totals) can hold."""
+    fits = [int(resources.get(name, 0.0) // amount) for name, amount in bundle.items() if amount]
+    return min(fits) if fits else 0

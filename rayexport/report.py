@@ -40,6 +40,7 @@ class ExportReport:
     files_by_worker: dict[str, list[str]] = field(default_factory=dict)  # which worker wrote what
     placement: dict[str, dict[str, Any]] = field(default_factory=dict)  # each worker's Ray node and process
     warm_start: bool = False  # the workers came from a warm pool
+    export_node: str | None = None  # the node whose own disk holds a local destination, on a cluster of several
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)  # checkpoint entries that are not model tensors
@@ -56,7 +57,7 @@ class ExportReport:
         written = self.bytes.get("written", 0)
         lines = [
             f"exported {self.source}",
-            f"      to {self.destination}",
+            f"      to {self.destination}" + (f" on node {self.export_node}" if self.export_node else ""),
             f"  {self.tensor_count} tensors in {sum(name.endswith('.safetensors') for name in self.files)} "
             f"safetensors file(s), {written / 1e6:.1f} MB, {self.workers} worker(s) over {self.backend} "
             f"({self.backend_reason})",

@@ -77,6 +77,7 @@ class Store:
 
     uri: str
     options: dict[str, Any] = field(default_factory=dict, repr=False)
+    node = None  # the cluster node whose own disk holds it, where only that node reaches it (`PinnedStore`)
 
     def __post_init__(self) -> None:
         self.uri = self.uri.rstrip("/") or self.uri

@@ -18,8 +18,8 @@ from rayexport.storage import Store
 class OnNode(Protocol):
     """Runs a `Store` method on a given node of the cluster."""
 
-    def here(self) -> str:
-        """The id of the node this process runs on."""
+    def here(self) -> str | None:
+        """The id of the node whose files this process sees, None where that is not known."""
 
     def call(self, node: str, store: Store, method: str, *args: Any) -> Any:
         """`getattr(store, method)(*args)`, run on `node`."""

@@ -1,0 +1,129 @@
+"""Checkpoints on node-local disks: a real two-node Ray cluster on this machine where each node
+sees its own folder at the same path (support/node_cluster.py: a mount namespace per node), as
+verl leaves a multi-node run without a shared filesystem. Node A holds ranks 0-1, `huggingface/`
+and `fsdp_config.json`; node B ranks 2-3. Exports run as a user runs them: the CLI, joined to
+that cluster through RAY_ADDRESS."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rayexport.layouts.verl import rank_file_name
+from support.node_cluster import NodeCluster, mount_namespaces_refused
+
+REFUSED = mount_namespaces_refused()
+pytestmark = pytest.mark.skipif(REFUSED is not None, reason=REFUSED or "")
+
+WORLD = 4
+NODE_A = ["huggingface", "fsdp_config.json", rank_file_name(WORLD, 0), rank_file_name(WORLD, 1)]
+NODE_B = [rank_file_name(WORLD, 2), rank_file_name(WORLD, 3)]
+DCP_A = ["huggingface", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+DCP_B = ["__2_0.distcp", "__3_0.distcp"]
+
+
+def _copy(source: str, names: list[str], target: str) -> None:
+    os.makedirs(target, exist_ok=True)
+    for name in names:
+        copy = shutil.copytree if os.path.isdir(os.path.join(source, name)) else shutil.copy2
+        copy(os.path.join(source, name), os.path.join(target, name))
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """The two-node cluster, and the checkpoints: each whole in one folder both nodes see
+    (`whole`), and split between the nodes' own folders under `view`."""
+    from support.checkpoints import write_dcp_checkpoint, write_verl_checkpoint
+    from support.models import tiny_config
+
+    root = tmp_path_factory.mktemp("node-local")
+    whole = {"verl": str(root / "whole-verl"), "dcp": str(root / "whole-dcp")}
+    write_verl_checkpoint(tiny_config("qwen2-tied"), whole["verl"], world_size=WORLD)
+    write_dcp_checkpoint(tiny_config("llama-untied"), whole["dcp"], world_size=WORLD)
+    disk_a, disk_b = root / "disk-a", root / "disk-b"
+    _copy(whole["verl"], NODE_A, str(disk_a / "verl"))
+    _copy(whole["verl"], NODE_B, str(disk_b / "verl"))
+    _copy(whole["dcp"], DCP_A, str(disk_a / "dcp"))
+    _copy(whole["dcp"], DCP_B, str(disk_b / "dcp"))
+    _copy(whole["verl"], NODE_A[:3], str(disk_a / "verl-missing"))  # rank 1 on no node, nor rank 3
+    _copy(whole["verl"], NODE_B[:1], str(disk_b / "verl-missing"))
+    cluster = NodeCluster(str(root / "view"), [str(disk_a), str(disk_b)]).start()
+    try:
+        yield {"cluster": cluster, "whole": whole, "view": cluster.view, "disks": (str(disk_a), str(disk_b)), "root": root}
+    finally:
+        cluster.stop()
+
+
+def run_export(cluster: NodeCluster, *args: str) -> tuple[subprocess.CompletedProcess, dict | None, float]:
+    started = time.perf_counter()
+    completed = subprocess.run(
+        [sys.executable, "-m", "rayexport.run", *args, "--report", "-"],
+        capture_output=True, text=True, timeout=400, env=cluster.env,
+    )
+    seconds = time.perf_counter() - started
+    report = None
+    if completed.returncode == 0:
+        report = json.loads(completed.stdout[completed.stdout.index("\n{") + 1:])
+    return completed, report, seconds
+
+
+def safetensors_bytes(folder: str) -> dict[str, bytes]:
+    found = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            with open(os.path.join(folder, name), "rb") as handle:
+                found[name] = handle.read()
+    return found
+
+
+@pytest.mark.parametrize("layout", ["verl", "dcp"])
+def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_folder(nodes, layout):
+    cluster, root = nodes["cluster"], nodes["root"]
+    split, split_report, split_s = run_export(cluster, "--src", f"{nodes['view']}/{layout}", "--dst", str(root / f"split-{layout}"))
+    assert split.returncode == 0, split.stderr[-4000:]
+    whole, whole_report, whole_s = run_export(cluster, "--src", nodes["whole"][layout], "--dst", str(root / f"one-folder-{layout}"), "--verify", "quick")
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    print(f"{layout}: split over two nodes {split_s:.1f} s, from one folder {whole_s:.1f} s")
+
+    assert split_report["verification"]["passed"] and split_report["verification"]["level"] == "full"
+    assert "reload" in split_report["verification"]["checks"]
+    nodes_used = {where["node"] for where in split_report["placement"].values()}
+    assert len(nodes_used) == 2, split_report["placement"]  # each node's files read there
+    reading = re.findall(r"rayexport.group: node (.+): worker\(s\) ([\d, ]+) read (.+)", split.stderr)
+    assert len(reading) == 2, split.stderr[-3000:]  # the log says, per node, what it reads and which worker
+    exported = safetensors_bytes(str(root / f"split-{layout}"))
+    assert exported and exported == safetensors_bytes(str(root / f"one-folder-{layout}"))
+
+
+def test_ranks_on_no_node_are_one_line_before_any_worker_starts(nodes):
+    completed, _, _ = run_export(nodes["cluster"], "--src", f"{nodes['view']}/verl-missing", "--dst", str(nodes["root"] / "missing"))
+    assert completed.returncode == 1
+    lines = [line for line in completed.stderr.splitlines() if line.startswith("rayexport: error:")]
+    assert len(lines) == 1, completed.stderr[-3000:]
+    assert lines[0].startswith("rayexport: error: rank files 1, 3 of world size 4 are on no node of this cluster (asked 2 nodes: ")
+    assert "worker(s) over" not in completed.stderr  # no worker group was sized, let alone started
+    assert not os.path.exists(nodes["root"] / "missing")
+
+
+def test_a_local_destination_on_two_nodes_is_written_whole_on_one(nodes):
+    """`--writers 2` with a destination path every node has a disk of its own under: the whole
+    export, its manifest and its reload on one node."""
+    cluster, (disk_a, disk_b) = nodes["cluster"], nodes["disks"]
+    completed, report, _ = run_export(
+        cluster, "--src", nodes["whole"]["verl"], "--dst", f"{nodes['view']}/out", "--workers", "2", "--writers", "2", "--max-shard-size", "100KB",
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert report["export_node"] and f"on node {report['export_node']}" in completed.stdout
+    assert report["verification"]["passed"] and "reload" in report["verification"]["checks"]
+    holding = [disk for disk in (disk_a, disk_b) if os.path.exists(os.path.join(disk, "out"))]
+    assert len(holding) == 1, holding
+    written = set(os.listdir(os.path.join(holding[0], "out")))
+    assert "export_manifest.json" in written and set(report["files"]) <= written
+    assert len([worker for worker, files in report["files_by_worker"].items() if files]) == 2  # both writers wrote
