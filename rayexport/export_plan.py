@@ -80,11 +80,11 @@ def _export_node(checkpoint: Checkpoint, cluster: ClusterNodes, options: ExportO
     checkpoint's files spread over nodes, else this one, if a worker fits on it, else the first
     node where one does."""
     capacity = {node: worker_capacity(resources, {"CPU": options.num_cpus_per_worker}) for node, resources in cluster.resources.items()}
-    first = next(iter(checkpoint.read_files()), None)
-    holders = checkpoint.store.holders(first) if first is not None else None
-    if holders is None:
-        holders = tuple([cluster.here] + sorted((node for node in cluster.labels if node != cluster.here), key=cluster.labels.get))
-    return reading_node(holders, capacity, checkpoint.store.display(first or ""), cluster.labels)
+    if checkpoint.store.nowhere() is not None:  # spread over the nodes
+        first = next(iter(checkpoint.read_files()))
+        return reading_node(checkpoint.store.holders(first), capacity, checkpoint.store.display(first), cluster.labels)
+    nodes = tuple([cluster.here] + sorted((node for node in cluster.labels if node != cluster.here), key=cluster.labels.get))
+    return reading_node(nodes, capacity, checkpoint.store.uri, cluster.labels)
 
 
 def _check_destination(source: Store, destination: Store) -> None:

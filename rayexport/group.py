@@ -143,9 +143,9 @@ class WorkerGroup:
         self.export_node = export_node
         capacity = {node: worker_capacity(resources, self._bundle) for node, resources in cluster.resources.items()}
         writers = self.options.writers if export_node is not None else 1
-        files = checkpoint.read_files()
-        holders = {name: checkpoint.store.holders(name) for name in files}
-        if any(found is not None for found in holders.values()):
+        if checkpoint.store.nowhere() is not None:  # files were looked for on every node: spread over them
+            files = checkpoint.read_files()
+            holders = {name: checkpoint.store.holders(name) for name in files}
             first = next(iter(files))
             first_node = export_node or reading_node(holders[first], capacity, checkpoint.store.display(first), cluster.labels)
             self.nodes = place_by_files(files, holders, first_node, self.size, capacity, cluster.labels, writers)

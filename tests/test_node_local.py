@@ -54,6 +54,10 @@ def nodes(tmp_path_factory):
     _copy(whole["dcp"], DCP_B, str(disk_b / "dcp"))
     _copy(whole["verl"], NODE_A[:3], str(disk_a / "verl-missing"))  # rank 1 on no node, nor rank 3
     _copy(whole["verl"], NODE_B[:1], str(disk_b / "verl-missing"))
+    _copy(whole["verl"], NODE_A + NODE_B[:1], str(disk_a / "verl-differs"))
+    _copy(whole["verl"], NODE_B, str(disk_b / "verl-differs"))
+    with open(disk_b / "verl-differs" / NODE_B[0], "ab") as handle:
+        handle.write(b"one more write on node B")  # rank 2's file is not the same on both nodes
     cluster = NodeCluster(str(root / "view"), [str(disk_a), str(disk_b)]).start()
     try:
         yield {"cluster": cluster, "whole": whole, "view": cluster.view, "disks": (str(disk_a), str(disk_b)), "root": root}
@@ -74,6 +78,26 @@ def run_export(cluster: NodeCluster, *args: str) -> tuple[subprocess.CompletedPr
     return completed, report, seconds
 
 
+REMOTE = """
+import dataclasses, json, sys
+import ray
+from rayexport import export_remote
+
+ray.init(logging_level="WARNING")
+report = ray.get(export_remote(sys.argv[1], sys.argv[2]))
+print("REPORT " + json.dumps(dataclasses.asdict(report)))
+"""
+
+
+def run_export_remote(cluster: NodeCluster, src: str, dst: str) -> tuple[subprocess.CompletedProcess, dict | None, float]:
+    """`export_remote()` from a driver of the cluster, as an RL loop calls it after a checkpoint."""
+    started = time.perf_counter()
+    completed = subprocess.run([sys.executable, "-c", REMOTE, src, dst], capture_output=True, text=True, timeout=400, env=cluster.env)
+    seconds = time.perf_counter() - started
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("REPORT ")]
+    return completed, json.loads(lines[0].removeprefix("REPORT ")) if lines else None, seconds
+
+
 def safetensors_bytes(folder: str) -> dict[str, bytes]:
     found = {}
     for name in sorted(os.listdir(folder)):
@@ -85,9 +109,12 @@ def safetensors_bytes(folder: str) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("layout", ["verl", "dcp"])
 def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_folder(nodes, layout):
+    """verl's rank files through the CLI; DCP's `.distcp` files (`.metadata` on node A only)
+    through `export_remote()`, whose export runs in a Ray task on either node."""
     cluster, root = nodes["cluster"], nodes["root"]
-    split, split_report, split_s = run_export(cluster, "--src", f"{nodes['view']}/{layout}", "--dst", str(root / f"split-{layout}"))
-    assert split.returncode == 0, split.stderr[-4000:]
+    split_export = run_export if layout == "verl" else lambda cluster, _, src, __, dst: run_export_remote(cluster, src, dst)
+    split, split_report, split_s = split_export(cluster, "--src", f"{nodes['view']}/{layout}", "--dst", str(root / f"split-{layout}"))
+    assert split.returncode == 0 and split_report is not None, split.stderr[-4000:]
     whole, whole_report, whole_s = run_export(cluster, "--src", nodes["whole"][layout], "--dst", str(root / f"one-folder-{layout}"), "--verify", "quick")
     assert whole.returncode == 0, whole.stderr[-4000:]
     print(f"{layout}: split over two nodes {split_s:.1f} s, from one folder {whole_s:.1f} s")
@@ -96,8 +123,9 @@ def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_fol
     assert "reload" in split_report["verification"]["checks"]
     nodes_used = {where["node"] for where in split_report["placement"].values()}
     assert len(nodes_used) == 2, split_report["placement"]  # each node's files read there
-    reading = re.findall(r"rayexport.group: node (.+): worker\(s\) ([\d, ]+) read (.+)", split.stderr)
-    assert len(reading) == 2, split.stderr[-3000:]  # the log says, per node, what it reads and which worker
+    if layout == "verl":  # the CLI's log says, per node, what it reads and which worker
+        reading = re.findall(r"rayexport.group: node (.+): worker\(s\) ([\d, ]+) read (.+)", split.stderr)
+        assert len(reading) == 2, split.stderr[-3000:]
     exported = safetensors_bytes(str(root / f"split-{layout}"))
     assert exported and exported == safetensors_bytes(str(root / f"one-folder-{layout}"))
 
@@ -110,6 +138,17 @@ def test_ranks_on_no_node_are_one_line_before_any_worker_starts(nodes):
     assert lines[0].startswith("rayexport: error: rank files 1, 3 of world size 4 are on no node of this cluster (asked 2 nodes: ")
     assert "worker(s) over" not in completed.stderr  # no worker group was sized, let alone started
     assert not os.path.exists(nodes["root"] / "missing")
+
+
+def test_a_file_whose_size_differs_between_nodes_is_one_line_naming_both(nodes):
+    completed, _, _ = run_export(nodes["cluster"], "--src", f"{nodes['view']}/verl-differs", "--dst", str(nodes["root"] / "differs"))
+    assert completed.returncode == 1
+    lines = [line for line in completed.stderr.splitlines() if line.startswith("rayexport: error:")]
+    assert len(lines) == 1 and re.fullmatch(
+        r"rayexport: error: '.*/verl-differs/model_world_size_4_rank_2.pt' differs between nodes: "
+        r"\d+ bytes on .+, \d+ bytes on .+", lines[0]
+    ), completed.stderr[-3000:]
+    assert "worker(s) over" not in completed.stderr
 
 
 def test_a_local_destination_on_two_nodes_is_written_whole_on_one(nodes):

@@ -7,7 +7,9 @@ import pytest
 
 from rayexport.errors import ExportError
 from rayexport.options import ExportOptions
-from rayexport.placement import Devices, choose_devices, missing_resources
+from rayexport.placement import (
+    Devices, choose_devices, missing_resources, pin_writers, place_by_files, reading_node, worker_capacity,
+)
 
 
 def test_auto_takes_nccl_only_when_every_worker_finds_a_free_gpu():
@@ -73,3 +75,59 @@ def test_missing_resources_names_each_short_resource():
         "missing CPU 2 needed, 1 free of 8; GPU 2 needed, 0 free of 0"
     )
     assert "not on the nodes together" in missing_resources(bundle, 2, free={"CPU": 2.0, "GPU": 2.0}, total={"CPU": 2.0, "GPU": 2.0})
+
+
+# --- workers placed by where a checkpoint's files are (node-local disks) ------------------------
+
+LABELS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
+
+
+def rank_files(world: int, size: int = 100) -> dict[str, int]:
+    return {f"rank_{rank}.pt": size for rank in range(world)}
+
+
+def test_each_file_is_read_on_a_node_that_holds_it_rank_0_by_worker_0():
+    files = rank_files(4)
+    holders = {"rank_0.pt": ("b",), "rank_1.pt": ("b",), "rank_2.pt": ("a",), "rank_3.pt": ("a",)}
+    placed = place_by_files(files, holders, "b", 4, {"a": 2, "b": 2}, LABELS)
+    assert placed.worker_nodes == ("b", "b", "a", "a")
+    assert placed.file_readers["rank_0.pt"] == 0
+    for name, worker in placed.file_readers.items():
+        assert placed.worker_nodes[worker] in holders[name], name
+    assert sorted(placed.file_readers.values()) == [0, 1, 2, 3]  # one file each: balanced
+
+
+def test_a_file_on_two_nodes_is_read_once_on_the_less_loaded():
+    files = {"rank_0.pt": 100, "rank_1.pt": 100, "shared.pt": 50}
+    holders = {"rank_0.pt": ("a",), "rank_1.pt": ("a",), "shared.pt": ("a", "b")}
+    placed = place_by_files(files, holders, "a", 2, {"a": 4, "b": 4}, LABELS)
+    assert placed.worker_nodes == ("a", "b")
+    assert placed.file_readers == {"rank_0.pt": 0, "rank_1.pt": 0, "shared.pt": 1}
+
+
+def test_every_node_holding_files_gets_a_worker_even_beyond_the_count_asked():
+    holders = {"rank_0.pt": ("a",), "rank_1.pt": ("b",), "rank_2.pt": ("c",)}
+    placed = place_by_files(rank_files(3), holders, "a", 1, {"a": 1, "b": 1, "c": 1}, LABELS)
+    assert placed.worker_nodes == ("a", "b", "c")
+
+
+def test_extra_workers_go_where_the_bytes_are_within_each_nodes_room():
+    files = {"rank_0.pt": 100, "rank_1.pt": 400, "rank_2.pt": 400, "rank_3.pt": 400}
+    holders = {"rank_0.pt": ("a",), "rank_1.pt": ("b",), "rank_2.pt": ("b",), "rank_3.pt": ("b",)}
+    placed = place_by_files(files, holders, "a", 4, {"a": 4, "b": 2}, LABELS)
+    assert placed.worker_nodes == ("a", "a", "b", "b")  # b holds most, but has room for 2 only
+
+
+def test_writers_of_a_local_destination_sit_on_its_node():
+    holders = {"rank_0.pt": ("a",), "rank_1.pt": ("b",)}
+    placed = place_by_files(rank_files(2), holders, "a", 2, {"a": 2, "b": 2}, LABELS, writers=2)
+    assert placed.worker_nodes[:2] == ("a", "a") and "b" in placed.worker_nodes
+    assert pin_writers("a", 4, 2, {"a": 8}).worker_nodes == ("a", "a", None, None)
+    assert pin_writers("a", 4, 3, {"a": 1}).worker_nodes == ("a", None, None, None)  # room for one
+
+
+def test_a_file_only_on_nodes_without_room_is_one_line_naming_them():
+    with pytest.raises(ExportError, match=r"^'/ckpt/rank_1.pt' is only on 10.0.0.2, where no worker of this export fits$"):
+        reading_node(("b",), {"a": 1, "b": 0}, "/ckpt/rank_1.pt", LABELS)
+    assert worker_capacity({"CPU": 8.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 1.0}) == 2
+    assert worker_capacity({"CPU": 0.0}, {"CPU": 1.0}) == 0

@@ -72,7 +72,7 @@ class NodeCluster:
                 "--address", self.address]
             command = [_ray(), "start", *role, "--num-cpus", str(self.num_cpus), "--object-store-memory", str(200 << 20),
                        "--temp-dir", self.temp_dir, "--block"]
-            script = f'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+            script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
             log = os.path.join(self.temp_dir, f"node{index}.log")
             self.logs.append(log)
             with open(log, "w") as handle:
