@@ -325,6 +325,9 @@ def test_missing_rank_file_or_unknown_key_is_an_export_error(written, tmp_path):
     with pytest.raises(ExportError, match="__1_0.distcp") as error:
         read_tensors(checkpoint, ["lm_head.weight"], str(tmp_path))
     assert_one_line_naming(error, folder)
+    # described again, the checkpoint is refused before any reading starts
+    with pytest.raises(ExportError, match=r"^DCP checkpoint '.*' is missing '__1_0.distcp'$"):
+        find_dcp_checkpoint(store)
     with pytest.raises(ExportError, match="no tensor 'optim.state'") as error:
         read_tensors(checkpoint, ["optim.state"], str(tmp_path))
     assert_one_line_naming(error, folder)

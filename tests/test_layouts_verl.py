@@ -10,7 +10,7 @@ import pytest
 from support.plan_cases import EMBED, NORM, extent_info, fsdp2_ranks
 
 from rayexport.errors import ExportError
-from rayexport.layouts.verl import find_verl_checkpoint
+from rayexport.layouts.verl import find_verl_checkpoint, spans
 from rayexport.storage import Store
 
 
@@ -86,3 +86,8 @@ def test_an_hsdp_checkpoint_reads_one_replica_of_each_shard(tmp_path):
     loaded = checkpoint.share(2, {}, load)
     assert steps == [{0: [0]}, {1: [1]}]
     assert sorted(loaded.rank_infos) == [0, 1]
+
+
+def test_missing_ranks_are_named_as_runs():
+    assert spans([5, 0, 1, 2, 8, 9]) == "0-2, 5, 8-9"
+    assert spans([3]) == "3"
