@@ -28,7 +28,7 @@ from rayexport.plan.schedule import TransferPlan, group_by_bytes
 from rayexport.pool import IdleGroup, get_keeper, group_shape
 from rayexport.storage import Store
 from rayexport.verification.consumers import run_consumer_checks
-from rayexport.waits import all_succeed, get_all, step_limit
+from rayexport.waits import all_succeed, cancel_unfinished, get_all, step_limit
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.files import FileCheck
 from rayexport.workers import ExportWorker, WorkerStats
@@ -102,7 +102,7 @@ class WorkerGroup:
             task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(destination.node, soft=False))
         limit = step_limit(options, job_deadline)
         reference = task.remote(destination, expected, limit[0], options.memory_bound_bytes)
-        return get_all([reference], limit, on_failure=lambda: ray.cancel(reference, force=True))[0]
+        return get_all([reference], limit, on_failure=lambda: cancel_unfinished([reference]))[0]
 
     def __init__(self, size: int, devices: Devices, options: ExportOptions, job_deadline: float) -> None:
         self.job_deadline = job_deadline

@@ -14,6 +14,7 @@ from rayexport.errors import ExportError
 from rayexport.options import ExportOptions
 from rayexport.storage import Store
 from rayexport.storage_nodes import NodeFiles, node_labels
+from rayexport.waits import cancel_unfinished
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,7 @@ def ask_nodes(path: str, nodes: ClusterNodes) -> list[NodeFiles]:
     ready, _ = ray.wait(references, num_returns=len(references), timeout=NODE_CALL_S)
     silent = [node for node, reference in zip(ids, references) if reference not in ready]
     if silent:
-        for reference in references:
-            ray.cancel(reference, force=True)
+        cancel_unfinished(references)
         raise ExportError(
             f"node(s) {', '.join(nodes.labels[node] for node in silent)} did not list '{path}' within {NODE_CALL_S:.0f} s"
         )
@@ -125,7 +125,7 @@ class RayOnNode:
         try:
             return ray.get(reference, timeout=NODE_CALL_S)
         except ray.exceptions.GetTimeoutError:
-            ray.cancel(reference, force=True)
+            cancel_unfinished([reference])
             raise ExportError(f"node {node[:8]} did not answer {method} of '{store.uri}' within {NODE_CALL_S:.0f} s") from None
         except ray.exceptions.RayTaskError as error:
             if isinstance(error.cause, ExportError):  # the store's own one line, as if called here

@@ -49,6 +49,17 @@ def all_succeed(references: list, wait_s: float) -> bool:
     return len(done) == len(references)
 
 
+def cancel_unfinished(references: list) -> None:
+    """Force-cancel the tasks of `references` that have not finished. A finished task is never
+    cancelled: Ray 2.60's driver can abort (`Check failed: ... Tried to complete task that was
+    not pending`) when a force-cancel crosses the reply of a task that just failed."""
+    import ray
+
+    _, pending = ray.wait(list(references), num_returns=len(references), timeout=0)
+    for reference in pending:
+        ray.cancel(reference, force=True)
+
+
 def get_all(references: list, limit: tuple[float, str], on_failure) -> list:
     """Wait for every reference; on the first error or when the step's time `limit` (seconds,
     and the option that set it) runs out, call `on_failure` and raise, so one dead worker ends

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rayexport.errors import ExportError
-from rayexport.waits import step_limit
+from rayexport.waits import cancel_unfinished, get_all, step_limit
 from rayexport.options import ExportOptions
 
 
@@ -18,3 +18,26 @@ def test_a_step_gets_the_timeout_unless_the_job_deadline_is_nearer():
     assert 4 < seconds <= 5 and source.startswith("--deadline 600 s")
     with pytest.raises(ExportError, match="past its --deadline 600 s"):
         step_limit(options, time.monotonic() - 1)
+
+
+def test_a_failed_step_cancels_only_the_tasks_still_running(ray_address):
+    """A task that already failed is left alone (Ray's driver can abort when a force-cancel
+    crosses such a task's reply); one still running is cancelled."""
+    import ray
+    from ray.exceptions import TaskCancelledError
+
+    def _fails() -> None:  # defined here, so that Ray pickles it by value
+        raise ExportError("the check failed")
+
+    def _sleeps() -> None:
+        time.sleep(600)
+
+    failed = ray.remote(num_cpus=0, max_retries=0)(_fails).remote()
+    running = ray.remote(num_cpus=0, max_retries=0)(_sleeps).remote()
+    ray.wait([failed], timeout=60)
+    with pytest.raises(ExportError, match="the check failed"):
+        get_all([failed], (60, "--timeout"), on_failure=lambda: cancel_unfinished([failed, running]))
+    with pytest.raises(TaskCancelledError):
+        ray.get(running, timeout=60)
+    with pytest.raises(ray.exceptions.RayTaskError, match="the check failed"):  # its own error, not a cancellation
+        ray.get(failed, timeout=0)
