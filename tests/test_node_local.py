@@ -107,15 +107,36 @@ def safetensors_bytes(folder: str) -> dict[str, bytes]:
     return found
 
 
+# Small shards, so that two writers have files to share and the byte comparison covers an index.
+SHARDS = ("--max-shard-size", "100KB")
+
+
+@pytest.fixture(scope="module")
+def one_folder_verl(nodes):
+    """The verl checkpoint exported from the folder both nodes see to a destination path under
+    which each node has a disk of its own, with two writers: the completed CLI, its report, the
+    folders of the two disks that hold the export, and its seconds."""
+    completed, report, seconds = run_export(
+        nodes["cluster"], "--src", nodes["whole"]["verl"], "--dst", f"{nodes['view']}/out", "--workers", "2", "--writers", "2", *SHARDS,
+    )
+    holding = [os.path.join(disk, "out") for disk in nodes["disks"] if os.path.exists(os.path.join(disk, "out"))]
+    return completed, report, holding, seconds
+
+
 @pytest.mark.parametrize("layout", ["verl", "dcp"])
-def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_folder(nodes, layout):
+def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_folder(nodes, one_folder_verl, layout):
     """verl's rank files through the CLI; DCP's `.distcp` files (`.metadata` on node A only)
     through `export_remote()`, whose export runs in a Ray task on either node."""
     cluster, root = nodes["cluster"], nodes["root"]
-    split_export = run_export if layout == "verl" else lambda cluster, _, src, __, dst: run_export_remote(cluster, src, dst)
-    split, split_report, split_s = split_export(cluster, "--src", f"{nodes['view']}/{layout}", "--dst", str(root / f"split-{layout}"))
+    if layout == "verl":
+        split, split_report, split_s = run_export(cluster, "--src", f"{nodes['view']}/verl", "--dst", str(root / "split-verl"), *SHARDS)
+        whole, _, reference, whole_s = one_folder_verl
+        reference = reference[0]
+    else:
+        split, split_report, split_s = run_export_remote(cluster, f"{nodes['view']}/dcp", str(root / "split-dcp"))
+        reference = str(root / "one-folder-dcp")
+        whole, _, whole_s = run_export(cluster, "--src", nodes["whole"]["dcp"], "--dst", reference, "--verify", "none")
     assert split.returncode == 0 and split_report is not None, split.stderr[-4000:]
-    whole, whole_report, whole_s = run_export(cluster, "--src", nodes["whole"][layout], "--dst", str(root / f"one-folder-{layout}"), "--verify", "quick")
     assert whole.returncode == 0, whole.stderr[-4000:]
     print(f"{layout}: split over two nodes {split_s:.1f} s, from one folder {whole_s:.1f} s")
 
@@ -127,7 +148,7 @@ def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_fol
         reading = re.findall(r"rayexport.group: node (.+): worker\(s\) ([\d, ]+) read (.+)", split.stderr)
         assert len(reading) == 2, split.stderr[-3000:]
     exported = safetensors_bytes(str(root / f"split-{layout}"))
-    assert exported and exported == safetensors_bytes(str(root / f"one-folder-{layout}"))
+    assert exported and exported == safetensors_bytes(reference)
 
 
 def test_ranks_on_no_node_are_one_line_before_any_worker_starts(nodes):
@@ -151,18 +172,14 @@ def test_a_file_whose_size_differs_between_nodes_is_one_line_naming_both(nodes):
     assert "worker(s) over" not in completed.stderr
 
 
-def test_a_local_destination_on_two_nodes_is_written_whole_on_one(nodes):
+def test_a_local_destination_on_two_nodes_is_written_whole_on_one(one_folder_verl):
     """`--writers 2` with a destination path every node has a disk of its own under: the whole
     export, its manifest and its reload on one node."""
-    cluster, (disk_a, disk_b) = nodes["cluster"], nodes["disks"]
-    completed, report, _ = run_export(
-        cluster, "--src", nodes["whole"]["verl"], "--dst", f"{nodes['view']}/out", "--workers", "2", "--writers", "2", "--max-shard-size", "100KB",
-    )
+    completed, report, holding, _ = one_folder_verl
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert report["export_node"] and f"on node {report['export_node']}" in completed.stdout
     assert report["verification"]["passed"] and "reload" in report["verification"]["checks"]
-    holding = [disk for disk in (disk_a, disk_b) if os.path.exists(os.path.join(disk, "out"))]
     assert len(holding) == 1, holding
-    written = set(os.listdir(os.path.join(holding[0], "out")))
+    written = set(os.listdir(holding[0]))
     assert "export_manifest.json" in written and set(report["files"]) <= written
     assert len([worker for worker, files in report["files_by_worker"].items() if files]) == 2  # both writers wrote
