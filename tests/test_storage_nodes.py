@@ -4,11 +4,10 @@ tasks do on a real cluster: tests/test_node_local.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from rayexport.errors import ExportError
+from rayexport.nodes import files_below
 from rayexport.storage import Store
 from rayexport.storage_nodes import NodeFiles, PinnedStore, SpreadStore, node_labels, spread_store
 
@@ -27,15 +26,6 @@ class FolderNodes:
         return getattr(Store(store.uri.replace(self.view, self.folders[node], 1), store.options), method)(*args)
 
 
-def files_of(folder: str) -> dict[str, int]:
-    found = {}
-    for parent, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(parent, name)
-            found[os.path.relpath(path, folder)] = os.path.getsize(path)
-    return found
-
-
 @pytest.fixture
 def two_nodes(tmp_path):
     disks = {"a": tmp_path / "a", "b": tmp_path / "b"}
@@ -44,7 +34,7 @@ def two_nodes(tmp_path):
             (disks[node] / name).parent.mkdir(parents=True, exist_ok=True)
             (disks[node] / name).write_bytes(data)
     labels = node_labels({"a": "10.0.0.1", "b": "10.0.0.2"})
-    nodes = [NodeFiles(node, labels[node], files_of(str(disk))) for node, disk in disks.items()]
+    nodes = [NodeFiles(node, labels[node], files_below(str(disk))) for node, disk in disks.items()]
     view = str(tmp_path / "view")
     return Store(view), nodes, FolderNodes(view, {node: str(disk) for node, disk in disks.items()})
 
