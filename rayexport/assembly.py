@@ -18,7 +18,7 @@ def piece_tensor(local: torch.Tensor, piece: Piece) -> torch.Tensor:
     region laid out along the output's axes."""
     if piece.region is None:
         return local
-    region = local[tuple(slice(start, start + length) for start, length in piece.region)]
+    region = local[tuple(slice(start, start + length * step, step) for start, length, step in piece.region)]
     kept = [axis for axis in piece.axes if axis is not None]
     dropped = [axis for axis in range(region.dim()) if axis not in kept]  # unit extent
     return region.permute(kept + dropped).reshape(piece.shape)

@@ -40,7 +40,7 @@ def test_fused_experts_sharded_over_two_ranks_become_per_expert_slices(formats):
     assert set(by_name) == {name for name in formats.disk.expected if name not in formats.disk.aliases}
     up = by_name["model.layers.0.mlp.experts.3.up_proj.weight"]  # expert 3 of 4: rank 1 holds experts 2-3
     assert [(piece.rank, piece.source_key, piece.offset, piece.shape, piece.region) for piece in up.pieces] == [
-        (1, FUSED, (0, 0), (32, 64), ((1, 1), (32, 32), (0, 64)))
+        (1, FUSED, (0, 0), (32, 64), ((1, 1, 1), (32, 32, 1), (0, 64, 1)))
     ]
     assert up.dtype == "bfloat16" and planning.naming == IN_MEMORY
 

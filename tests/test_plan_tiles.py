@@ -1,6 +1,8 @@
 """Tiles against torch itself: a tensor rebuilt from its tiles, through the same shard
 selection a worker makes, equals what the torch ops produce."""
 
+from dataclasses import replace
+
 import torch
 
 from rayexport.plan.pieces import Piece
@@ -38,7 +40,7 @@ def test_a_fused_tensor_sharded_on_experts_takes_each_expert_from_its_rank():
     shards = {"fused": [((0, 0, 0), fused[:2]), ((2, 0, 0), fused[2:])]}  # FSDP Shard(0) over 2 ranks
     expert = drop_axis(narrow(narrow((whole("fused", (4, 6, 5)),), 1, 0, 3), 0, 3, 1), 0)
     selections = [select(expert[0], offset, tuple(part.shape)) for offset, part in shards["fused"]]
-    assert selections[0] is None and selections[1].region == ((1, 1), (0, 3), (0, 5))  # whole expert, rank 1
+    assert selections[0] is None and selections[1].region == ((1, 1, 1), (0, 3, 1), (0, 5, 1))  # whole expert, rank 1
     torch.testing.assert_close(rebuild(expert, {"fused": fused}, (3, 5), shards), fused[3, :3])
 
 
@@ -65,3 +67,25 @@ def test_stacked_and_concatenated_experts_round_trip_through_invert():
 def test_a_rename_is_whole_and_a_slice_is_not():
     assert is_whole((whole("a", (2, 3)),), (2, 3), (2, 3))
     assert not is_whole(narrow((whole("a", (2, 3)),), 0, 0, 1), (1, 3), (2, 3))  # the first row only
+
+
+def interleaved_rows(heads: int, head_dim: int, columns: int) -> tuple:
+    """torchtitan's Llama q/k reordering as strided tiles: per head h and half s, target rows
+    h*hd + s*hd/2 + j are source rows h*hd + 2*j + s."""
+    half = head_dim // 2
+    return tuple(
+        replace(whole("q", (half, columns)), offset=(h * head_dim + s * half, 0), source_offset=(h * head_dim + s, 0), steps=(2, 1))
+        for h in range(heads) for s in (0, 1)
+    )
+
+
+def test_strided_tiles_interleave_rows_through_shards_that_cut_heads():
+    heads, head_dim, columns = 3, 8, 5
+    q = torch.randn(heads * head_dim, columns)
+    expected = q.view(heads, head_dim // 2, 2, columns).transpose(1, 2).reshape(heads * head_dim, columns)
+    tiles = interleaved_rows(heads, head_dim, columns)
+    # uneven row shards, cutting heads and pairs of rows: 7, 10 and 7 rows
+    shards = {"q": [((0, 0), q[:7]), ((7, 0), q[7:17]), ((17, 0), q[17:])]}
+    assert torch.equal(rebuild(tiles, {"q": q}, tuple(q.shape), shards), expected)
+    narrowed = narrow(tiles, 0, 5, 9)  # the target's rows 5..13, as a tile of a split would take them
+    assert torch.equal(rebuild(narrowed, {"q": q}, (9, columns), shards), expected[5:14])

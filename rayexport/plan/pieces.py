@@ -19,15 +19,15 @@ BASE_MODEL_RANK = -1
 @dataclass(frozen=True)
 class Piece:
     """One rank's slice of one source tensor: where it sits in the output tensor. For a
-    converted tensor (`plan/formats.py`) it is the box `region` of the rank's local shard, laid
-    out along the output's axes (`axes`, as in `Tile`); otherwise the whole local shard."""
+    converted tensor (`plan/formats.py`) it is the box `region` (start, length, step per axis)
+    of the rank's local shard, laid out along the output's axes (`axes`, as in `Tile`); otherwise the whole local shard."""
 
     rank: int
     source_key: str
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: str
-    region: tuple[tuple[int, int], ...] | None = None
+    region: tuple[tuple[int, int, int], ...] | None = None
     axes: tuple[int | None, ...] | None = None
 
     @property

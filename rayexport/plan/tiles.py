@@ -4,7 +4,9 @@ transformers' weight conversions between a model's in-memory and on-disk names o
 elements (split, chunk, select, squeeze, transpose, cat, stack), so every converted tensor is
 exactly a set of tiles over the tensors it was converted from. Planning an output tensor as
 tiles lets each worker send just the slice of its shard that a tile needs, and nothing is
-assembled beyond the bucket window. Pure functions over shapes and offsets.
+assembled beyond the bucket window. A tile may also take every k-th index of a source axis
+(`steps`): a trainer's own names can need rows interleaved (torchtitan's Llama q and k). Pure
+functions over shapes and offsets.
 """
 
 from __future__ import annotations
@@ -17,13 +19,19 @@ from dataclasses import dataclass, replace
 class Tile:
     """target[offset : offset + shape] is a box of tensor `source` starting at `source_offset`.
     Target axis i runs along source axis `axes[i]` (None: a unit axis the source lacks); a
-    source axis no target axis runs along has extent 1 in the box."""
+    source axis no target axis runs along has extent 1 in the box. Along source axis a the box
+    takes every `steps[a]`-th index (no steps: every index)."""
 
     source: str
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     source_offset: tuple[int, ...]
     axes: tuple[int | None, ...]
+    steps: tuple[int, ...] = ()
+
+    def step(self, axis: int) -> int:
+        """How far apart the box's indices along source axis `axis` are."""
+        return self.steps[axis] if self.steps else 1
 
     @property
     def source_shape(self) -> tuple[int, ...]:
@@ -61,7 +69,7 @@ def narrow(tiles: tuple[Tile, ...], dim: int, start: int, length: int) -> tuple[
             continue
         source_offset = list(tile.source_offset)
         if tile.axes[dim] is not None:
-            source_offset[tile.axes[dim]] += low - tile.offset[dim]
+            source_offset[tile.axes[dim]] += (low - tile.offset[dim]) * tile.step(tile.axes[dim])
         narrowed.append(replace(
             tile,
             offset=_set(tile.offset, dim, low - start),
@@ -112,6 +120,8 @@ def concatenate(parts: list[tuple[tuple[Tile, ...], int]], dim: int) -> tuple[Ti
 def invert(tile: Tile, target: str) -> Tile:
     """The same box seen the other way round: the region of `tile.source` that `target`
     (the tensor `tile` belongs to) provides."""
+    if any(step != 1 for step in tile.steps):
+        raise ValueError(f"a tile of '{tile.source}' taking every k-th index has no box for an inverse")
     return Tile(
         source=target,
         offset=tile.source_offset,
@@ -123,30 +133,32 @@ def invert(tile: Tile, target: str) -> Tile:
 
 @dataclass(frozen=True)
 class Selection:
-    """What a worker sends for one tile of one shard: the box `region` (start, length per
+    """What a worker sends for one tile of one shard: the box `region` (start, length, step per
     axis) of its local shard, laid out along the target's axes (`axes`, as in `Tile`), placed
     at `offset` in the target with extent `shape`."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
-    region: tuple[tuple[int, int], ...]
+    region: tuple[tuple[int, int, int], ...]
     axes: tuple[int | None, ...]
 
 
 def select(tile: Tile, shard_offset: tuple[int, ...], shard_shape: tuple[int, ...]) -> Selection | None:
     """The part of a shard (at `shard_offset` in `tile.source`, of `shard_shape`) that lands in
     the tile's region of the target, or None when they do not meet."""
-    region, lows = [], []
-    for start, extent, shard_start, shard_extent in zip(tile.source_offset, tile.source_shape, shard_offset, shard_shape):
-        low, high = max(start, shard_start), min(start + extent, shard_start + shard_extent)
-        if high <= low:
+    region, firsts = [], []
+    for axis, (start, extent, shard_start, shard_extent) in enumerate(
+        zip(tile.source_offset, tile.source_shape, shard_offset, shard_shape)
+    ):
+        step = tile.step(axis)
+        # the box's indices start + step * i, for i in [first, last), that fall in the shard
+        first = max(0, -(-(shard_start - start) // step))
+        last = min(extent, -(-(shard_start + shard_extent - start) // step))
+        if last <= first:
             return None
-        region.append((low - shard_start, high - low))
-        lows.append(low)
-    offset = tuple(
-        tile.offset[i] + (lows[axis] - tile.source_offset[axis] if axis is not None else 0)
-        for i, axis in enumerate(tile.axes)
-    )
+        region.append((start + step * first - shard_start, last - first, step))
+        firsts.append(first)
+    offset = tuple(tile.offset[i] + (firsts[axis] if axis is not None else 0) for i, axis in enumerate(tile.axes))
     shape = tuple(region[axis][1] if axis is not None else 1 for axis in tile.axes)
     return Selection(offset, shape, tuple(region), tile.axes)
 
