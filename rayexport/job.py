@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rayexport.dtypes import nbytes
@@ -26,7 +26,7 @@ from rayexport.memory import peak_rss_bytes
 from rayexport.model import ModelDescription, describe_model, generated_files, hf_folder
 from rayexport.options import ExportOptions
 from rayexport.plan.formats import ModelFormats
-from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, plan_holdings
+from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, match_names, plan_holdings
 from rayexport.plan.schedule import ShardFile, TransferPlan, plan_shard_files, plan_transfer, safetensors_order
 from rayexport.report import ExportReport, timed_stage
 from rayexport.storage import Store
@@ -231,6 +231,13 @@ def _prepare(plan: ExportPlan) -> ModelDescription:
     hf_config = Store(options.hf_config, destination.options) if options.hf_config else None
     folder = hf_folder(plan.checkpoint.hf_folder, hf_config, plan.checkpoint.nearby_hf_folder, plan.base_model)
     model = describe_model(folder, plan.base_model, options.trust_remote_code)
+    checkpoint = plan.checkpoint
+    if checkpoint.producer_namings is not None:
+        producers = checkpoint.producer_namings(model.config, model.formats.disk)
+        model = replace(model, formats=model.formats.with_producers(producers))
+    keys = checkpoint.known_keys()
+    if keys is not None and plan.base_model is None:
+        match_names(keys, model.formats)  # what the checkpoint's names lack, before any worker starts
     destination.write_bytes(".rayexport-write-probe", b"")
     destination.delete(".rayexport-write-probe")
     return model
@@ -251,6 +258,8 @@ def _start_group(group_type: type[WorkerGroup], plan: ExportPlan, describing: Fu
         group = group_type.for_export(plan.options, plan.checkpoint.world_size, plan.job_deadline)
         if plan.cluster is not None:
             group.place_on_nodes(plan.checkpoint, plan.cluster, plan.export_node)
+        if plan.checkpoint.known_keys() is not None:
+            describing.result()  # its names are checked against the model's before the workers start
         try:
             group.start()
         except BaseException:

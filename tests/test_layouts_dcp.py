@@ -18,7 +18,6 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from rayexport.errors import ExportError
 from rayexport.job import export
-from rayexport.layouts.base import KeyMapping
 from rayexport.layouts.dcp import find_dcp_checkpoint, read_file_chunks, read_tensors
 from rayexport.layouts.dcp_spool import _chunk_is_finite, spool_offsets
 from rayexport.layouts.dcp_metadata import DCP_METADATA
@@ -357,27 +356,6 @@ def test_spooled_tensors_are_mapped_and_checked_for_nan_and_inf(written, tmp_pat
     assert {key: info.finite for key, info in described.items()} == {
         "model.norm.weight": True, "model.embed_tokens.weight": False, "lm_head.weight": True,
     }
-
-
-class ReversedRows(KeyMapping):
-    """A layout whose stored keys carry `stored.` and whose embedding rows are stored reversed."""
-
-    def model_key(self, stored_key: str) -> str | None:
-        key = super().model_key(stored_key)
-        return None if key is None else key.replace("model.", "stored.", 1)
-
-    def transform(self, model_key: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.flip(0) if model_key == "stored.embed_tokens.weight" else tensor
-
-
-def test_a_layouts_key_mapping_renames_keys_and_rewrites_tensors_as_read(written, tmp_path):
-    checkpoint = find_dcp_checkpoint(Store(written["tied"].path), mapping=ReversedRows)
-    reference = written["tied"].reference
-    assert set(checkpoint.tensors) == {key.replace("model.", "stored.", 1) for key in reference}
-    keys = ["stored.embed_tokens.weight", "stored.norm.weight"]
-    tensors = read_tensors(checkpoint, keys, str(tmp_path))
-    assert torch.equal(tensors["stored.embed_tokens.weight"], reference["model.embed_tokens.weight"].flip(0))
-    assert torch.equal(tensors["stored.norm.weight"], reference["model.norm.weight"])
 
 
 def test_a_strided_chunk_is_checked_a_block_of_rows_at_a_time():

@@ -9,9 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-import torch
-
 from rayexport.layouts.shards import ShardInfo
+from rayexport.plan.formats import Naming, ProducerNaming
 from rayexport.storage import Store
 
 # The folder beside the weights where trainers (verl, DCP loops) put config, tokenizer and code.
@@ -24,14 +23,16 @@ LoadStep = Callable[[dict[int, Part]], dict[int, dict[str, ShardInfo]]]
 # Called as a worker goes through its share: bytes described so far (for its bar), and the
 # moment to give back the pages it has read.
 Advance = Callable[[int], Any]
+# A trainer's own namings of a model (config.json, on-disk naming), for a checkpoint it saved
+# under names of its own: what its conversion to Hugging Face names makes of each tensor.
+ProducerNamings = Callable[[dict, Naming], dict[str, ProducerNaming]]
 
 
 @dataclass(frozen=True)
 class KeyMapping:
-    """How a layout's stored keys become the model's keys: a stored key under `prefix` names
-    the model key after it (None: not a model tensor). A layout whose names differ from the
-    model's own subclasses it: `model_key` renames, and `transform` gives a whole tensor's exact
-    rewrite (a permutation of rows, say) as it is read; the default keeps every value."""
+    """How a layout's stored keys become the checkpoint's keys: a stored key under `prefix`
+    names the key after it (None: not a model tensor). Names of a trainer's own are mapped to
+    the model's when planning (`Checkpoint.producer_namings`), not here."""
 
     prefix: str = ""
 
@@ -40,10 +41,6 @@ class KeyMapping:
         if not stored_key.startswith(self.prefix):
             return None
         return stored_key[len(self.prefix):] or None
-
-    def transform(self, model_key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The tensor `model_key` as the model holds it, from the tensor as stored."""
-        return tensor
 
 
 class SourceTensors(Mapping):
@@ -90,11 +87,18 @@ class Checkpoint:
     nearby_hf_folder: Store | None = None
     lora_meta: dict | None = None
     skipped: list[str] = field(default_factory=list)  # stored entries that are not model tensors
+    # where the trainer saved under names of its own (torchtitan), its namings of the model
+    producer_namings: ProducerNamings | None = None
     spools_remote_files = True  # whether a worker copies a remote file to local disk to read it
 
     @property
     def uri(self) -> str:
         return self.store.uri
+
+    def known_keys(self) -> list[str] | None:
+        """Every tensor key the workers will report, where the layout knows them before reading
+        (DCP's `.metadata`), so names are checked before any worker starts; None: only reading tells."""
+        return None
 
     def read_files(self) -> dict[str, int]:
         """The files its workers read, by name under `store`, with their sizes. Where the

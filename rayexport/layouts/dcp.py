@@ -13,12 +13,8 @@ over the nodes of a cluster are read a file at a time instead, each on its own n
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from rayexport.dtypes import dtype_of
@@ -29,8 +25,7 @@ from rayexport.layouts.base import (
 from rayexport.layouts.dcp_metadata import (
     DCP_METADATA, NON_MODEL_NAMES, DcpTensor, describe_entry, detect_prefix, first_name, read_metadata,
 )
-from rayexport.layouts.dcp_spool import SpooledTensors, page_span, spool
-from rayexport.layouts.mapped import release_pages
+from rayexport.layouts.dcp_spool import SpooledTensors, spool
 from rayexport.layouts.shards import ShardInfo
 from rayexport.plan.naming import model_names
 from rayexport.plan.schedule import assign_by_bytes, keep_ties_together
@@ -51,6 +46,10 @@ class DcpCheckpoint(Checkpoint):
     @property
     def prefix(self) -> str:
         return self.keys.prefix
+
+    def known_keys(self) -> list[str]:
+        """The model keys `.metadata` lists."""
+        return list(self.tensors)
 
     def read_files(self) -> dict[str, int]:
         """The `.distcp` files, with their sizes."""
@@ -73,11 +72,6 @@ class DcpCheckpoint(Checkpoint):
         return Loaded(rank_infos, holders, {worker: worker for worker in range(num_workers)})
 
     def _share_files(self, load: LoadStep, file_readers: dict[str, int]) -> Loaded:
-        if type(self.keys).transform is not KeyMapping.transform:
-            raise ExportError(
-                f"the key mapping of DCP checkpoint '{self.uri}' rewrites whole tensors, and its files are spread "
-                "over nodes, where each is read a chunk at a time"
-            )
         parts: dict[int, dict[int, str]] = {}
         rank_of_file = {name: rank for rank, name in enumerate(sorted(file_readers))}
         for name, worker in file_readers.items():
@@ -142,15 +136,12 @@ class DcpLayout:
         return marker_snapshot(store, names, DCP_METADATA)  # DCP writes .metadata last
 
 
-def find_dcp_checkpoint(
-    store: Store, prefix: str | None = None, *, unsafe_pickle: bool = False,
-    mapping: Callable[[str], KeyMapping] = KeyMapping,
-) -> DcpCheckpoint:
+def find_dcp_checkpoint(store: Store, prefix: str | None = None, *, unsafe_pickle: bool = False) -> DcpCheckpoint:
     """Describe the model tensors of the DCP checkpoint at `store` from its `.metadata`.
 
     `prefix` is the part of the stored keys to strip to get model keys ("model.", "app.model.",
     "" ...; a missing final "." is added); by default it is detected from how the state dict was
-    nested when saved. `mapping` makes the layout's `KeyMapping` from the prefix. Optimizer,
+    nested when saved. Optimizer,
     scheduler and other training state, and every non-tensor entry, go to `skipped`. Raises
     ExportError when `.metadata` is missing or unreadable, or no model tensor is found.
 
@@ -166,7 +157,7 @@ def find_dcp_checkpoint(
         prefix = detect_prefix(tensor_keys, metadata.planner_data, store.uri)
     elif prefix and not prefix.endswith("."):
         prefix += "."
-    keys = mapping(prefix)
+    keys = KeyMapping(prefix)
     tensors: dict[str, DcpTensor] = {}
     skipped = [key for key, value in entries.items() if not isinstance(value, TensorStorageMetadata)]
     for key in tensor_keys:
@@ -208,7 +199,6 @@ def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> 
     of the model; the spool is also a snapshot, which later passes read rather than the source.
     Whole rank files are never spooled: every FSDP rank file holds a slice of every tensor, so
     that would copy the whole checkpoint to each worker.
-    Each tensor is then rewritten in place by the checkpoint's key mapping (`KeyMapping.transform`).
     Tensor data is loaded with torch's weights-only unpickler; `.metadata` as
     `find_dcp_checkpoint` read it.
     """
@@ -221,12 +211,11 @@ def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> 
     metadata = _unchanged_metadata(checkpoint, keys)
     wanted = [checkpoint.tensors[key] for key in keys]
     state, finite, path = spool(store, metadata, wanted, spool_dir)
-    try:
-        tensors = {key: _transformed(checkpoint.keys, key, state[tensor.key]) for key, tensor in zip(keys, wanted)}
-    except BaseException:
-        os.remove(path)
-        raise
-    return SpooledTensors(tensors, {key: finite[tensor.key] for key, tensor in zip(keys, wanted)}, path)
+    return SpooledTensors(
+        {key: state[tensor.key] for key, tensor in zip(keys, wanted)},
+        {key: finite[tensor.key] for key, tensor in zip(keys, wanted)},
+        path,
+    )
 
 
 def read_file_chunks(checkpoint: DcpCheckpoint, name: str, spool_dir: str) -> SpooledTensors:
@@ -273,14 +262,3 @@ def _unchanged_metadata(checkpoint: DcpCheckpoint, keys: list[str]) -> Metadata:
         if not isinstance(entry, TensorStorageMetadata) or describe_entry(store, expected.key, entry) != expected:
             raise ExportError(f"tensor '{expected.key}' of DCP checkpoint '{store.uri}' changed since it was listed")
     return metadata
-
-
-def _transformed(keys: KeyMapping, model_key: str, stored: torch.Tensor) -> torch.Tensor:
-    """`stored` (a view of the spool) rewritten in place as the model holds it."""
-    value = keys.transform(model_key, stored)
-    if value is not stored:
-        stored.copy_(value)
-    release_pages([page_span(stored)])
-    return stored
-
-

@@ -4,7 +4,8 @@ transformers 5 holds MoE experts fused and VLM submodules nested (its in-memory 
 checkpoint trained under it holds); `save_pretrained` writes the model's on-disk format (per
 expert tensors, `model.*` + `visual.*`), which is also what transformers 4 held in memory. A
 checkpoint is planned in whichever naming it was saved with and converted, as tiles of its
-source pieces, to the format the export writes. Pure functions.
+source pieces, to the format the export writes. A trainer that saves under names of its own
+(torchtitan) adds a producer naming, converted to the on-disk format the same way. Pure functions.
 """
 
 from __future__ import annotations
@@ -39,14 +40,25 @@ class Naming:
 
 
 @dataclass(frozen=True)
+class ProducerNaming:
+    """A trainer's own naming of a model's tensors, and each on-disk tensor as tiles of its
+    tensors (what the trainer's own conversion to Hugging Face names makes)."""
+
+    naming: Naming
+    disk_tiles: dict[str, tuple[Tile, ...]]
+
+
+@dataclass(frozen=True)
 class ModelFormats:
     """A model's in-memory and on-disk namings, the tiles of in-memory tensors each on-disk
-    tensor is made of, and which in-memory tensors are saved whole under another name."""
+    tensor is made of, which in-memory tensors are saved whole under another name, and the
+    namings of the trainer that wrote the checkpoint, where it has names of its own."""
 
     memory: Naming
     disk: Naming
     disk_tiles: dict[str, tuple[Tile, ...]]
     renamed: dict[str, str]
+    producers: dict[str, ProducerNaming] = field(default_factory=dict)
 
     @classmethod
     def from_tiles(cls, memory: Naming, disk: dict[str, tuple[tuple[int, ...], str, tuple[Tile, ...]]]) -> "ModelFormats":
@@ -73,12 +85,25 @@ class ModelFormats:
         """A model whose on-disk format is its in-memory naming."""
         return cls(memory, memory, {}, {name: name for name in memory.expected})
 
-    def naming(self, kind: Format) -> Naming:
-        """The model's naming in the format `kind`."""
+    def with_producers(self, producers: dict[str, ProducerNaming]) -> "ModelFormats":
+        """These formats, a checkpoint in one of `producers`' namings read as well."""
+        return replace(self, producers=producers)
+
+    def naming(self, kind: str) -> Naming:
+        """The model's naming `kind`: a format, or a producer's naming."""
+        if kind in self.producers:
+            return self.producers[kind].naming
         return self.memory if kind == IN_MEMORY else self.disk
 
-    def tiles(self, source: Format, target: Format) -> dict[str, tuple[Tile, ...]] | None:
+    def tiles(self, source: str, target: Format) -> dict[str, tuple[Tile, ...]] | None:
         """Each `target`-naming tensor as tiles of `source`-naming tensors (None: same names)."""
+        if source in self.producers:
+            if target == IN_MEMORY and self.disk_tiles:
+                raise ExportError(
+                    f"a checkpoint in {source} names is exported in the on-disk format only: this model's "
+                    f"in-memory format differs (drop --format {IN_MEMORY})"
+                )
+            return self.producers[source].disk_tiles
         if source == target or not self.disk_tiles:
             return None
         if target == ON_DISK:
@@ -89,18 +114,24 @@ class ModelFormats:
                 inverted.setdefault(tile.source, []).append(invert(tile, name))
         return {name: tuple(tiles) for name, tiles in inverted.items()}
 
-    def memory_name(self, kind: Format, name: str) -> str | None:
-        """The in-memory name of a tensor saved whole (None when it is split or merged)."""
+    def memory_name(self, kind: str, name: str) -> str | None:
+        """The in-memory name of a tensor saved whole (None when it is split or merged, or
+        named by a producer)."""
         if kind == IN_MEMORY:
             return name
+        if kind in self.producers:
+            return None
         return next((memory for memory, disk in self.renamed.items() if disk == name), None)
 
 
-def choose_naming(names: Iterable[str], formats: ModelFormats) -> Format:
+def choose_naming(names: Iterable[str], formats: ModelFormats) -> str:
     """The naming a checkpoint's (normalised) tensor names are in, decided from all of them:
     in-memory when every name is one (a dense model's two namings are the same), else on-disk.
-    Names from both, with some in neither's overlap, are a mixture no conversion can read."""
+    Names from both, with some in neither's overlap, are a mixture no conversion can read.
+    Where the checkpoint's trainer has namings of its own, it is the one that has most names."""
     names = list(names)
+    if formats.producers:
+        return max(formats.producers, key=lambda kind: sum(name in formats.producers[kind].naming.expected for name in names))
     memory, disk = formats.memory.expected, formats.disk.expected
     if all(name in memory for name in names):
         return IN_MEMORY

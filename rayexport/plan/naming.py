@@ -17,6 +17,7 @@ from rayexport.lora import (
 from rayexport.names import normalize_key
 from rayexport.plan.formats import IN_MEMORY, ModelFormats, choose_naming, convert_plans
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, tensor_pieces
+from rayexport.plan.torchtitan import torchtitan_names
 from rayexport.ties import TieResolution, resolve_tied_names
 
 
@@ -106,51 +107,81 @@ def plan_holdings(
     Floating tensors are written in `dtype` (None: each in its own).
     """
     lora = lora or LoraRequest()
-    checkpoint_key, source_key_of, targets = model_names(holders)
-    naming_kind = choose_naming(checkpoint_key or base_model or {}, formats)
-    expected = formats.naming(naming_kind).expected
-    aliases = {alias: canonical for alias, canonical in formats.naming(naming_kind).aliases.items() if alias not in untied}
-    resolution = resolve_tied_names(checkpoint_key, aliases)
-    wanted = [name for name in expected if name not in aliases]
-    from_base = [name for name in wanted if name not in resolution.sources and name in (base_model or {})]
-    _check_coverage(wanted, expected, resolution, checkpoint_key, from_base, base_model is not None)
+    match = match_names(holders, formats, base_model, untied)
+    expected = formats.naming(match.naming).expected
     plans = {}
-    for name in wanted:
+    for name in match.wanted:
         shape = tuple(expected[name][0])
-        if name in from_base:
+        if name in match.from_base:
             plans[name] = _plan_tensor(name, name, shape, {BASE_MODEL_RANK: base_model[name]}, dtype)
         else:
-            key = checkpoint_key[resolution.sources[name]]
+            key = match.checkpoint_key[match.resolution.sources[name]]
             plans[name] = _plan_tensor(name, key, shape, holders[key], dtype)
-    settings, adapters = None, []
+    settings, adapters, targets = None, [], match.targets
     if targets:
-        settings = lora_settings(lora.meta, _columns(holders[source_key_of[targets[0].b_name]]), lora.overrides)
+        settings = lora_settings(lora.meta, _columns(holders[match.source_key_of[targets[0].b_name]]), lora.overrides)
         adapters = _plan_lora(
-            targets, settings, plans, holders, source_key_of, lora, lambda weight: formats.memory_name(naming_kind, weight), dtype
+            targets, settings, plans, holders, match.source_key_of, lora,
+            lambda weight: formats.memory_name(match.naming, weight), dtype,
         )
-    tied_key_pairs = [(checkpoint_key[canonical], checkpoint_key[alias]) for canonical, alias in resolution.to_compare]
+    tied_key_pairs = [
+        (match.checkpoint_key[canonical], match.checkpoint_key[alias]) for canonical, alias in match.resolution.to_compare
+    ]
     tensors = convert_plans(
-        [plans[name] for name in wanted], formats.tiles(naming_kind, output_format),
-        formats.naming(output_format), naming_kind, output_format,
+        [plans[name] for name in match.wanted], formats.tiles(match.naming, output_format),
+        formats.naming(output_format), match.naming, output_format,
     )
     return TensorPlanning(
-        tensors=tensors, adapters=adapters, resolution=resolution, tied_key_pairs=tied_key_pairs,
-        lora=settings, lora_targets=targets, naming=naming_kind, format=output_format,
+        tensors=tensors, adapters=adapters, resolution=match.resolution, tied_key_pairs=tied_key_pairs,
+        lora=settings, lora_targets=targets, naming=match.naming, format=output_format,
     )
+
+
+@dataclass(frozen=True)
+class NameMatch:
+    """A checkpoint's keys matched to the model: the naming they are in, model name -> source
+    key (`checkpoint_key`), normalised name -> source key, the LoRA targets, the tie
+    resolution, the names to write (`wanted`) and those read from the base model."""
+
+    naming: str
+    checkpoint_key: dict[str, str]
+    source_key_of: dict[str, str]
+    targets: list[LoraTarget]
+    resolution: TieResolution
+    wanted: list[str]
+    from_base: list[str]
+
+
+def match_names(
+    keys: Iterable[str], formats: ModelFormats, base_model: dict | None = None, untied: frozenset[str] = frozenset()
+) -> NameMatch:
+    """Match a checkpoint's source keys to the model's names (see `plan_holdings`), or one line
+    naming the first tensor the model needs that no source holds, or that it does not have.
+    Needs only the keys, so a layout that lists them up front is checked before any read."""
+    checkpoint_key, source_key_of, targets = model_names(keys)
+    naming_kind = choose_naming(checkpoint_key or base_model or {}, formats)
+    naming = formats.naming(naming_kind)
+    aliases = {alias: canonical for alias, canonical in naming.aliases.items() if alias not in untied}
+    resolution = resolve_tied_names(checkpoint_key, aliases)
+    wanted = [name for name in naming.expected if name not in aliases]
+    from_base = [name for name in wanted if name not in resolution.sources and name in (base_model or {})]
+    hint = "" if naming_kind in formats.producers else _naming_hint(checkpoint_key, base_model is not None, bool(targets))
+    _check_coverage(wanted, naming.expected, resolution, checkpoint_key, from_base, hint)
+    return NameMatch(naming_kind, checkpoint_key, source_key_of, targets, resolution, wanted, from_base)
 
 
 def _check_coverage(
     wanted: list[str], expected: dict, resolution: TieResolution, checkpoint_key: dict[str, str], from_base: list[str],
-    has_base_model: bool,
+    hint: str,
 ) -> None:
-    """One line naming the first tensor the model needs that no source holds, or the first
-    tensor the checkpoint holds that the model lacks."""
+    """One line naming the first tensor the model needs that no source holds (with `hint`), or
+    the first tensor the checkpoint holds that the model lacks."""
     missing = [name for name in wanted if name not in resolution.sources and name not in from_base]
     if missing:
         raise ExportError(
             f"the checkpoint has no tensor '{missing[0]}' that the config's model needs"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + ("" if has_base_model else "; for a LoRA-only checkpoint pass --base-model")
+            + hint
         )
     unexpected = [name for name in resolution.sources if name not in expected]
     if unexpected:
@@ -158,6 +189,19 @@ def _check_coverage(
             f"the checkpoint's tensor '{checkpoint_key[resolution.sources[unexpected[0]]]}' is not "
             f"in the config's model" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
         )
+
+
+def _naming_hint(checkpoint_key: dict[str, str], has_base_model: bool, has_adapters: bool) -> str:
+    """What the checkpoint's names say about why the model's are missing: another trainer's
+    naming, or adapters without their base weights."""
+    foreign = torchtitan_names(checkpoint_key)
+    if foreign:
+        return (
+            f"; these look like torchtitan names ({', '.join(foreign[:2])}, ...): read them with --layout torchtitan"
+        )
+    if has_adapters and not has_base_model:
+        return "; for a LoRA-only checkpoint pass --base-model"
+    return ""
 
 
 def _plan_tensor(name: str, key: str, shape: tuple[int, ...], infos: dict[int, ShardInfo], dtype: str | None) -> TensorPlan:
