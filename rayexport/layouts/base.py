@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from rayexport.layouts.shards import ShardInfo
-from rayexport.plan.formats import Naming, ProducerNaming
 from rayexport.storage import Store
 
 # The folder beside the weights where trainers (verl, DCP loops) put config, tokenizer and code.
@@ -23,9 +22,10 @@ LoadStep = Callable[[dict[int, Part]], dict[int, dict[str, ShardInfo]]]
 # Called as a worker goes through its share: bytes described so far (for its bar), and the
 # moment to give back the pages it has read.
 Advance = Callable[[int], Any]
-# A trainer's own namings of a model (config.json, on-disk naming), for a checkpoint it saved
-# under names of its own: what its conversion to Hugging Face names makes of each tensor.
-ProducerNamings = Callable[[dict, Naming], dict[str, ProducerNaming]]
+# A trainer's own namings of a model, for a checkpoint it saved under names of its own: from
+# config.json and the model's on-disk `plan.formats.Naming`, each naming by name as a
+# `plan.formats.ProducerNaming` (what its conversion to Hugging Face names makes of each tensor).
+ProducerNamings = Callable[[dict, Any], dict[str, Any]]
 
 
 @dataclass(frozen=True)
