@@ -18,7 +18,7 @@ def test_each_layout_is_detected_from_its_files(tmp_path):
     trainer = folder_with(tmp_path / "checkpoint-500", {"pytorch_model_fsdp_0/__0_0.distcp": b"x", "optimizer_0/x": b"x"})
     assert [detect_layout(store).name for store in (verl, dcp, trainer)] == ["verl", "dcp", "accelerate"]
     assert detect_layout(folder_with(tmp_path / "other", {"notes.txt": b"x"})) is None
-    assert LAYOUT_NAMES == ("auto", "dcp", "verl", "accelerate")
+    assert LAYOUT_NAMES == ("auto", "torchtitan", "dcp", "verl", "accelerate")
 
 
 def test_the_watcher_waits_for_each_layouts_completion_marker(tmp_path):
