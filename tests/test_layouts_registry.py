@@ -35,7 +35,7 @@ def test_the_watcher_waits_for_each_layouts_completion_marker(tmp_path):
 
 
 def test_an_unknown_layout_is_one_line_naming_the_known_ones():
-    with pytest.raises(ExportError, match=r"unknown layout 'bogus' \(known: auto, dcp, verl, accelerate\)"):
+    with pytest.raises(ExportError, match=r"unknown layout 'bogus' \(known: auto, torchtitan, dcp, verl, accelerate\)"):
         layout_named("bogus")
 
 
