@@ -7,11 +7,12 @@ from rayexport.errors import ExportError
 from rayexport.layouts.accelerate import AccelerateLayout
 from rayexport.layouts.base import Checkpoint, Layout, SourceSettings
 from rayexport.layouts.dcp import DcpLayout
+from rayexport.layouts.hf_sharded import ShardedSafetensorsLayout
 from rayexport.layouts.torchtitan import TorchtitanLayout
 from rayexport.layouts.verl import VerlLayout
 from rayexport.storage import Store
 
-LAYOUTS: tuple[Layout, ...] = (TorchtitanLayout(), DcpLayout(), VerlLayout(), AccelerateLayout())
+LAYOUTS: tuple[Layout, ...] = (TorchtitanLayout(), DcpLayout(), VerlLayout(), AccelerateLayout(), ShardedSafetensorsLayout())
 AUTO = "auto"
 LAYOUT_NAMES = (AUTO, *(layout.name for layout in LAYOUTS))
 # What `auto` falls back to when no layout recognises the files: its errors name what is missing.
