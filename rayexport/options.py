@@ -73,7 +73,8 @@ class ExportOptions:
     src: str = option(help="checkpoint prefix (local path, file://, s3://, any fsspec URI)", group=SOURCE,
                       metavar="URI", required=True)
     dst: str = option(help="where the Hugging Face model is written", group=OUTPUT, metavar="URI", required=True)
-    layout: str = option("auto", "verl rank files, a PyTorch DCP directory or an accelerate checkpoint folder "
+    layout: str = option("auto", "verl rank files, a PyTorch DCP directory (torchtitan's: its names mapped as its "
+                         "to_hf does), an accelerate checkpoint folder or torch's sharded HF safetensors "
                          "(auto: from the files present)", group=SOURCE, choices=LAYOUT_NAMES)
     hf_config: str | None = option(help="HF folder with config.json and tokenizer when SRC has no huggingface/",
                                    group=SOURCE, metavar="URI")
