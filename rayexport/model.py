@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+import fsspec
 import torch
 
 from rayexport.conversion import model_formats
@@ -219,7 +221,8 @@ def _parse_json(data: bytes, uri: str) -> dict:
 def hf_folder(checkpoint_folder: Store | None, hf_config: Store | None, nearby: Store | None, base_model: Store | None) -> Store:
     """Where config, tokenizer and code come from: the checkpoint's own folder for them (e.g.
     verl's `huggingface/`) when it has a config.json, else `--hf-config`, else the folder
-    beside the checkpoint (a Trainer's), else the `--base-model` folder."""
+    beside the checkpoint (a Trainer's), else the `--base-model` folder. Without any, the error
+    names where it looked, and the base model where the trainer's own config names it."""
     if checkpoint_folder is not None and checkpoint_folder.exists("config.json"):
         return checkpoint_folder
     for folder in (hf_config, nearby, base_model):
@@ -227,10 +230,54 @@ def hf_folder(checkpoint_folder: Store | None, hf_config: Store | None, nearby: 
             if not folder.exists("config.json"):
                 raise ExportError(f"missing '{folder.display('config.json')}'")
             return folder
-    where = f"'{checkpoint_folder.display('config.json')}'" if checkpoint_folder is not None else "config.json"
+    if checkpoint_folder is None:
+        where, named = "config.json", ""
+    else:
+        where, named = f"'{checkpoint_folder.display('config.json')}'", _named_base_model(checkpoint_folder)
+    model = "that model's" if named else "the model's"
     raise ExportError(
-        f"missing {where}: pass --hf-config URI (a folder with the model's config.json and tokenizer) or --base-model"
+        f"missing {where}{named}: pass --hf-config URI (a folder with {model} config.json and tokenizer) "
+        "or --base-model"
     )
+
+
+# NeMo-RL's checkpoint folders: step_N/config.yaml (the run's config) above step_N/policy/weights/
+# (DTensor worker) or step_N/policy/weights/model/ (Automodel worker), whose `huggingface/` is looked in.
+NEMO_RL_CONFIG = "config.yaml"
+NEMO_RL_LEVELS = 4
+
+
+def _named_base_model(folder: Store) -> str:
+    """Where a trainer's own config file above `folder` names the model it trained (NeMo-RL's
+    `config.yaml`, `policy.model_name`), a clause saying so for the missing-config error; else ""."""
+    import yaml
+
+    for above in _ancestors(folder, NEMO_RL_LEVELS):
+        try:
+            if not above.exists(NEMO_RL_CONFIG):
+                continue
+            config = yaml.safe_load(above.read_bytes(NEMO_RL_CONFIG))
+        except (ExportError, yaml.YAMLError):
+            return ""  # the missing config is the error; an unreadable file only loses the hint
+        policy = config.get("policy") if isinstance(config, dict) else None
+        name = policy.get("model_name") if isinstance(policy, dict) else None
+        if isinstance(name, str) and name.strip() and name == one_line(name):
+            return f"; NeMo-RL's '{above.display(NEMO_RL_CONFIG)}' names the base model '{name}'"
+    return ""
+
+
+def _ancestors(store: Store, levels: int) -> list[Store]:
+    """Up to `levels` folders above `store`, nearest first: short of the filesystem's root, up to
+    the bucket of an object store."""
+    protocol, path = fsspec.core.split_protocol(store.uri)
+    found = []
+    for _ in range(levels):
+        parent = posixpath.dirname(path)
+        if parent in (path, "", "/") or (protocol not in (None, "file") and "/" not in path):
+            break
+        path = parent
+        found.append(Store(f"{protocol}://{path}" if protocol else path, store.options))
+    return found
 
 
 def generated_files(config: dict, planning: TensorPlanning, untie: bool, base_model: str | None) -> dict[str, bytes]:

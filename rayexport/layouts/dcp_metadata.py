@@ -29,7 +29,9 @@ NON_MODEL_NAMES = frozenset({
     "train_state", "trainer_state", "rng", "rng_state", "rng_states", "grad_scaler", "scaler",
 })
 # Where model state dicts are usually nested, most specific first; "" is a flat model state dict.
-MODEL_PREFIXES = ("model.", "app.model.", "state_dict.", "")
+# "app.model.": torch's DCP recipe's {"app": AppState}, as OpenRLHF's FSDP2 backend and prime-rl
+# save; "dcp.model.": AReaL's {"dcp": DCPState}.
+MODEL_PREFIXES = ("model.", "app.model.", "dcp.model.", "state_dict.", "")
 
 
 @dataclass(frozen=True)
@@ -198,9 +200,10 @@ def _guess_paths(keys: list[str]) -> dict[str, tuple[str, ...]]:
     nested_model = all(key.startswith("model.") for key in model_keys) and any(
         key.startswith(("model.model.", "model.lm_head.")) for key in model_keys
     )
+    nested = [prefix for prefix in MODEL_PREFIXES if prefix and (prefix != "model." or nested_model)]
     paths = {}
     for key in keys:
-        for prefix in ("app.model.", "state_dict.") + (("model.",) if nested_model else ()):
+        for prefix in nested:
             if key.startswith(prefix):
                 paths[key] = (*prefix.split(".")[:-1], key[len(prefix):])
                 break
