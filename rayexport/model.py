@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import re
 import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import torch
 
 from rayexport.conversion import model_formats
@@ -252,7 +250,11 @@ def _named_base_model(folder: Store) -> str:
     `config.yaml`, `policy.model_name`), a clause saying so for the missing-config error; else ""."""
     import yaml
 
-    for above in _ancestors(folder, NEMO_RL_LEVELS):
+    above = folder
+    for _ in range(NEMO_RL_LEVELS):
+        above = above.parent()
+        if above is None:
+            break
         try:
             if not above.exists(NEMO_RL_CONFIG):
                 continue
@@ -264,20 +266,6 @@ def _named_base_model(folder: Store) -> str:
         if isinstance(name, str) and name.strip() and name == one_line(name):
             return f"; NeMo-RL's '{above.display(NEMO_RL_CONFIG)}' names the base model '{name}'"
     return ""
-
-
-def _ancestors(store: Store, levels: int) -> list[Store]:
-    """Up to `levels` folders above `store`, nearest first: short of the filesystem's root, up to
-    the bucket of an object store."""
-    protocol, path = fsspec.core.split_protocol(store.uri)
-    found = []
-    for _ in range(levels):
-        parent = posixpath.dirname(path)
-        if parent in (path, "", "/") or (protocol not in (None, "file") and "/" not in path):
-            break
-        path = parent
-        found.append(Store(f"{protocol}://{path}" if protocol else path, store.options))
-    return found
 
 
 def generated_files(config: dict, planning: TensorPlanning, untie: bool, base_model: str | None) -> dict[str, bytes]:

@@ -115,6 +115,15 @@ class Store:
         """The store for a sub-prefix, sharing options."""
         return Store(self.uri.rstrip("/") + "/" + name.strip("/"), self.options)
 
+    def parent(self) -> "Store | None":
+        """The store for the folder above, sharing options; None above a filesystem's root or
+        an object store's bucket. A plain store: on a cluster, as the driver's node sees it."""
+        protocol, path = fsspec.core.split_protocol(self.uri)
+        above = posixpath.dirname(path.rstrip("/"))
+        if above in (path, "", "/") or (protocol not in (None, "file") and "/" not in path.strip("/")):
+            return None
+        return Store(f"{protocol}://{above}" if protocol else above, self.options)
+
     def exists(self, name: str = "") -> bool:
         """Whether `name` (a file, or a folder) exists."""
         return self._call("check", name, self.fs.exists, self.path(name))

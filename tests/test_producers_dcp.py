@@ -77,8 +77,10 @@ def test_roll_fsdp2_save(written):
     """Reproduces ROLL's FSDP2 checkpoint from its source (roll/distributed/strategy/fsdp2_strategy.py
     `_save_checkpoint_with_dcp`), since ROLL does not install here: `checkpoint-N/dcp/` holding
     the model's flat keys beside "optimizer", "scheduler" and "rng_state", the HF model in
-    `checkpoint-N/` itself."""
+    `checkpoint-N/` itself, where its config and tokenizer are taken from without --hf-config."""
     assert_described(written, "roll")
+    described = find_checkpoint(Store(written["roll"].src), "auto", SourceSettings())
+    assert described.nearby_hf_folder.uri == os.path.dirname(written["roll"].src)
 
 
 def test_nemo_rl_dtensor_policy_save(written):

@@ -204,3 +204,11 @@ def test_a_stores_retries_are_its_own_after_other_stores(s3_prefix):
     store = Store(s3_prefix, storage_options_from_env({"config_kwargs": {"retries": {"max_attempts": 2}}}))
     store.exists("anything")
     assert store.fs.s3.meta.config.retries["total_max_attempts"] == 3
+
+
+def test_a_stores_parent_stops_at_the_root_and_at_the_bucket(s3_endpoint):
+    assert Store("/data/run/step-5").parent().uri == "/data/run"
+    assert Store("/data").parent() is None
+    assert Store("s3://bucket/run/step-5").parent().uri == "s3://bucket/run"
+    assert Store("s3://bucket/run").parent().uri == "s3://bucket"
+    assert Store("s3://bucket").parent() is None

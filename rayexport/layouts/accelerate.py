@@ -4,7 +4,6 @@ beside `optimizer_<i>/`, and config and tokenizer in the Trainer folder itself."
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 
@@ -42,9 +41,7 @@ class AccelerateLayout:
         if folder is None:
             raise ExportError(f"no accelerate model folder pytorch_model_fsdp_<i>/ in '{store.uri}'")
         log.info("reading the model checkpoint '%s'", store.display(folder))
-        checkpoint = DcpLayout().describe(store.child(folder), settings)
-        nearby = store if store.exists("config.json") else None
-        return dataclasses.replace(checkpoint, nearby_hf_folder=nearby)
+        return DcpLayout().describe(store.child(folder), settings)  # config and tokenizer: the folder above
 
     def snapshot(self, store: Store, names: list[str]) -> dict[str, int] | None:
         folder = model_folder(store)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from rayexport.dtypes import dtype_of
@@ -130,7 +130,11 @@ class DcpLayout:
         return DCP_METADATA in names or any(_DISTCP_FILE.match(name) for name in names)
 
     def describe(self, store: Store, settings: SourceSettings) -> DcpCheckpoint:
-        return find_dcp_checkpoint(store, settings.key_prefix, unsafe_pickle=settings.unsafe_pickle)
+        checkpoint = find_dcp_checkpoint(store, settings.key_prefix, unsafe_pickle=settings.unsafe_pickle)
+        parent = store.parent()
+        if parent is not None and parent.exists("config.json"):  # ROLL saves the HF model beside its dcp/
+            return replace(checkpoint, nearby_hf_folder=parent)
+        return checkpoint
 
     def snapshot(self, store: Store, names: list[str]) -> dict[str, int] | None:
         return marker_snapshot(store, names, DCP_METADATA)  # DCP writes .metadata last

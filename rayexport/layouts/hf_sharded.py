@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -142,7 +141,7 @@ class ShardedSafetensorsLayout:
         # The writer leaves no marker of its own. Once every rank's files are complete, torch's
         # consolidation (torchtitan's too) writes the merged index into the parent, Automodel's
         # into `consolidated/`, and Automodel writes `config.yaml` into the step folder last.
-        parent = _parent(store)
+        parent = store.parent() or store
         if not (parent.exists(_metadata_fn) or store.exists(f"consolidated/{_metadata_fn}") or parent.exists("config.yaml")):
             return None
         return {name: store.size(name) for name in names}
@@ -190,7 +189,7 @@ def find_sharded_checkpoint(store: Store) -> ShardedSafetensorsCheckpoint:
                 by_key.setdefault(key, {})[name] = piece
     return ShardedSafetensorsCheckpoint(
         store=store, world_size=world_size, layout="hf-sharded",
-        hf_folder=_parent(store).child(HF_DIR),
+        hf_folder=(store.parent() or store).child(HF_DIR),
         nearby_hf_folder=next((store.child(name) for name in NEARBY_HF_DIRS if store.exists(f"{name}/config.json")), None),
         rank_files=rank_files, pieces=pieces, shapes={key: full_shape(key, held) for key, held in by_key.items()},
     )
@@ -204,8 +203,3 @@ def _local_file(store: Store, name: str, spool_dir: str, spooled: Advance) -> st
     path = os.path.join(spool_dir, name)
     store.download(name, path, spooled)
     return path
-
-
-def _parent(store: Store) -> Store:
-    """The folder above `store` (read as a plain store: on a cluster, from the driver's node)."""
-    return Store(posixpath.dirname(store.uri.rstrip("/")), store.options)
