@@ -109,7 +109,7 @@ def _load(plan: ExportPlan, group: WorkerGroup, model: ModelDescription) -> Sour
     """The workers read their share of the checkpoint (tied copies together) and, for a
     LoRA-only checkpoint, the exporter the base model's weights."""
     with timed_stage(plan.seconds, "load") as moved:
-        loaded = group.load(plan.checkpoint, {**model.formats.memory.aliases, **model.formats.disk.aliases})
+        loaded = group.load(plan.checkpoint, model.formats.tie_aliases())
         moved["bytes"] = sum(
             nbytes(info.local_shape, info.dtype) for infos in loaded.rank_infos.values() for info in infos.values()
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 from rayexport.errors import ExportError
 from rayexport.layouts.base import SourceSettings
@@ -18,6 +19,10 @@ from rayexport.plan.torchtitan import PRODUCER, torchtitan_names, torchtitan_nam
 from rayexport.storage import Store
 
 log = logging.getLogger(__name__)
+
+# MoE state `to_hf` drops: the load-balancing routing bias and token counts, which Hugging Face's
+# MoE models have no place for.
+DROPPED = re.compile(r"^layers\.\d+\.moe\.(expert_bias|tokens_per_expert)(_E)?$")
 
 
 class TorchtitanLayout:
@@ -43,7 +48,17 @@ class TorchtitanLayout:
                 f"(first: '{next(iter(checkpoint.tensors))}')"
             )
         log.info("torchtitan names (%s, ...): mapped to the model's as torchtitan's to_hf does", found[0])
-        return dataclasses.replace(checkpoint, layout=PRODUCER, producer_namings=torchtitan_namings)
+        dropped = sorted(key for key in checkpoint.tensors if DROPPED.match(key))
+        if dropped:
+            log.warning(
+                "not exported, as torchtitan's to_hf drops them: %s (MoE load balancing state; where the routing bias is "
+                "not zero, the exported model routes some tokens otherwise than training did)", ", ".join(dropped)
+            )
+        return dataclasses.replace(
+            checkpoint, layout=PRODUCER, producer_namings=torchtitan_namings,
+            tensors={key: tensor for key, tensor in checkpoint.tensors.items() if key not in dropped},
+            skipped=sorted(checkpoint.skipped + [checkpoint.tensors[key].key for key in dropped]),
+        )
 
     def snapshot(self, store: Store, names: list[str]) -> dict[str, int] | None:
         return DcpLayout().snapshot(store, names)

@@ -85,6 +85,12 @@ class ModelFormats:
         """A model whose on-disk format is its in-memory naming."""
         return cls(memory, memory, {}, {name: name for name in memory.expected})
 
+    def tie_aliases(self) -> dict[str, str]:
+        """Each tied alias of every naming, with its canonical name: which copies a checkpoint
+        holding both must have read together, whatever naming it is in."""
+        namings = [self.memory, self.disk, *(producer.naming for producer in self.producers.values())]
+        return {alias: canonical for naming in namings for alias, canonical in naming.aliases.items()}
+
     def with_producers(self, producers: dict[str, ProducerNaming]) -> "ModelFormats":
         """These formats, a checkpoint in one of `producers`' namings read as well."""
         return replace(self, producers=producers)
