@@ -115,6 +115,16 @@ def test_plan_tensors_missing_key_is_named():
         plan_tensors(ranks, expected_of({EMBED: (10, 4), NORM: (4,)}), {})
 
 
+def test_plan_tensors_missing_key_hints_at_base_weights_only_for_adapters_alone():
+    expected = expected_of({EMBED: (10, 4), NORM: (4,), "model.q.weight": (4, 4)})
+    plain = fsdp2_ranks({EMBED: (10, 4)}, 1)
+    with pytest.raises(ExportError, match=f"no tensor '{NORM}' that the config's model needs \\(and 1 more\\)$"):
+        plan_tensors(plain, expected, {})
+    adapters = fsdp2_ranks({"base_model.model.model.q.lora_A.default.weight": (2, 4), "base_model.model.model.q.lora_B.default.weight": (4, 2)}, 1)
+    with pytest.raises(ExportError, match="; for a LoRA-only checkpoint pass --base-model$"):
+        plan_tensors(adapters, expected, {})
+
+
 def test_plan_tensors_unexpected_key_is_named_by_its_source_key():
     ranks = fsdp2_ranks({EMBED: (10, 4), "_fsdp_wrapped_module.extra.bias": (3,)}, 2)
     with pytest.raises(ExportError, match=r"'_fsdp_wrapped_module\.extra\.bias'"):
