@@ -22,9 +22,15 @@ from support.plan_cases import fsdp2_ranks
 WORLD_SIZE = 3  # row shards that cut through heads and pairs of rows
 
 
-def formats_of(config):
+def transformers_formats(config):
+    """The model's two namings, as transformers gives them."""
     model = build_meta_model(config, False)
-    formats = model_formats(model, expected_tensors(model), find_tie_aliases(model))
+    return model_formats(model, expected_tensors(model), find_tie_aliases(model))
+
+
+def formats_of(config):
+    """The model's namings with torchtitan's beside them, as a torchtitan checkpoint is planned."""
+    formats = transformers_formats(config)
     return formats.with_producers(torchtitan_namings(config.to_dict(), formats.disk))
 
 
@@ -120,16 +126,12 @@ def test_missing_torchtitan_tensors_are_named_in_torchtitans_names():
 
 def test_torchtitan_names_read_as_plain_dcp_say_what_they_look_like():
     config = tiny_format_config("qwen3")
-    model = build_meta_model(config, False)
-    plain = model_formats(model, expected_tensors(model), find_tie_aliases(model))
     names = formats_of(config).naming("torchtitan 0.3").expected
     with pytest.raises(ExportError, match=r"these look like torchtitan names \(tok_embeddings\.weight, .*\): read them with --layout torchtitan"):
-        match_names(names, plain)
+        match_names(names, transformers_formats(config))
 
 
 def test_a_model_type_torchtitan_does_not_convert_is_refused_by_name():
     config = tiny_format_config("mixtral")
-    model = build_meta_model(config, False)
-    formats = model_formats(model, expected_tensors(model), find_tie_aliases(model))
     with pytest.raises(ExportError, match="torchtitan checkpoints of model type 'mixtral' are not mapped"):
-        torchtitan_namings(config.to_dict(), formats.disk)
+        torchtitan_namings(config.to_dict(), transformers_formats(config).disk)

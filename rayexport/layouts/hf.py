@@ -59,7 +59,24 @@ def base_model_folder(store: Store) -> BaseModelFolder:
     return BaseModelFolder(store=store, world_size=1, layout="hf")
 
 
-class SafetensorsTensors(SourceTensors):
+class SafetensorsFiles(SourceTensors):
+    """Tensors by key from memory-mapped safetensors files: `handles` (file -> safe_open
+    handle) and `file_of` (key -> file), filled by a subclass; read only when asked for."""
+
+    handles: dict
+    file_of: dict[str, str]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.handles[self.file_of[key]].get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.file_of)
+
+    def __len__(self) -> int:
+        return len(self.file_of)
+
+
+class SafetensorsTensors(SafetensorsFiles):
     """The tensors of an HF folder by name, memory-mapped, read only when asked for."""
 
     def __init__(self, store: Store, spool_dir: str) -> None:
@@ -78,15 +95,6 @@ class SafetensorsTensors(SourceTensors):
             self.handles[name] = handle
             for key in handle.keys():
                 self.file_of[key] = name
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.handles[self.file_of[key]].get_tensor(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.file_of)
-
-    def __len__(self) -> int:
-        return len(self.file_of)
 
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
         """Every tensor as a plain, whole tensor, from the files' headers."""

@@ -12,13 +12,12 @@ import concurrent.futures
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Iterator
 
-import torch
 from torch.distributed.checkpoint._hf_utils import _gen_file_name, _metadata_fn
 
 from rayexport.errors import ExportError, one_line
 from rayexport.layouts.base import HF_DIR, Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors
+from rayexport.layouts.hf import SafetensorsFiles
 from rayexport.layouts.hf_sharded_headers import Piece, full_shape, header_pieces, read_header
 from rayexport.layouts.mapped import mapped_ranges
 from rayexport.layouts.shards import ShardInfo
@@ -81,7 +80,7 @@ class ShardedSafetensorsCheckpoint(Checkpoint):
         return states
 
 
-class ShardFiles(SourceTensors):
+class ShardFiles(SafetensorsFiles):
     """One rank's safetensors files, memory-mapped by safetensors: its pieces by tensor key."""
 
     def __init__(self, checkpoint: ShardedSafetensorsCheckpoint, paths: dict[str, str]) -> None:
@@ -100,15 +99,6 @@ class ShardFiles(SourceTensors):
                 raise ExportError(f"'{where}' changed since it was listed")
             self.handles[name] = handle
             self.file_of.update(dict.fromkeys(entries, name))
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.handles[self.file_of[key]].get_tensor(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.file_of)
-
-    def __len__(self) -> int:
-        return len(self.file_of)
 
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
         """Each piece, placed in its tensor by the offset its header records."""
