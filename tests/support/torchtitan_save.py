@@ -4,15 +4,18 @@ Run with a Python that `torchtitan_env.torchtitan_python` made (torchtitan 0.3.0
 CPU), not the project's:
 
     python torchtitan_save.py --out DIR --model llama3|qwen3|qwen3_moe --tied|--untied
-        --save final|periodic [--dtype float32|bfloat16]
+        --save final|periodic [--dtype float32|bfloat16] [--steps N]
+    python torchtitan_save.py --out DIR --model llama3 --flavor 1B --save final [--steps 0]
 
 Everything that decides what lands on disk is torchtitan's own code, driven as its Trainer
 drives it: its model classes and configs, its `parallelize_fn` (FSDP2 over 2 gloo ranks), its
-optimizer, LR scheduler and dataloader containers, two training steps, and its
-`CheckpointManager` writing `DIR/checkpoint/step-2/`. The Trainer itself needs CUDA, so this
-script does its few steps. `--save periodic` is an interval save (model, optimizer,
-lr_scheduler, dataloader, train_state) in the training dtype `--dtype`; `--save final` is the
-last step's model-only save, cast to `--dtype` (torchtitan's `export_dtype`).
+optimizer, LR scheduler and dataloader containers, `--steps N` training steps (default 2; 0
+saves the initialised weights untrained), and its `CheckpointManager` writing
+`DIR/checkpoint/step-N/`. The Trainer itself needs CUDA, so this script does its few
+steps. `--save periodic` is an interval save (model, optimizer, lr_scheduler, dataloader,
+train_state) in the training dtype `--dtype`; `--save final` is the last step's model-only save,
+cast to `--dtype` (torchtitan's `export_dtype`). `--flavor NAME` (torchtitan 0.3) builds one of
+its registered Llama 3 flavors instead of the tiny model, tied as the flavor is.
 
 It also writes what an export must reproduce, from the weights as saved:
 - `DIR/reference/to_hf.safetensors`: torchtitan's `StateDictAdapter.to_hf` of the full state;
@@ -21,6 +24,7 @@ It also writes what an export must reproduce, from the weights as saved:
   rounding, except for MoE: torchtitan computes its experts in bfloat16, and routes with its
   load-balancing `expert_bias_E`, which to_hf drops (a routing flip changes logits visibly);
 - `DIR/hf/config.json`: the Hugging Face config of the same model (no weights).
+With `--flavor` only the config is written: the references hold the whole model on each rank.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 PROMPT_IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]  # tests/support/models.py's prompt
 WORLD_SIZE = 2
-STEPS = 2
+STEPS = 2  # the default of --steps
 SEQ_LEN = 16
 BATCH = 2
 SEED = 1234
@@ -68,6 +72,29 @@ class Shape:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 64
+
+
+def flavor_shape(flavor: str) -> Shape:
+    """The sizes of torchtitan's registered Llama 3 `flavor`, read from its own config."""
+    from torchtitan.models import llama3
+
+    config = llama3.model_registry(flavor).model
+    attention = config.layers[0].attention
+    rope = attention.rope
+    return Shape(
+        vocab=config.vocab_size, dim=config.dim, layers=len(config.layers), heads=attention.n_heads,
+        kv_heads=attention.n_kv_heads or attention.n_heads, head_dim=rope.dim,
+        hidden=config.layers[0].feed_forward.w1.out_features, rope_theta=float(rope.theta),
+        max_seq_len=rope.max_seq_len, rope_factor=rope.scaling_factor, rope_low_freq_factor=rope.low_freq_factor,
+        rope_high_freq_factor=rope.high_freq_factor, rope_original_max_len=rope.original_max_position_embeddings,
+    )
+
+
+def flavor_tied(flavor: str) -> bool:
+    """Whether torchtitan's Llama 3 `flavor` ties its output head to the embedding."""
+    from torchtitan.models import llama3
+
+    return llama3.model_registry(flavor).model.enable_weight_tying
 
 
 def hf_config(name: str, shape: Shape, tied: bool) -> dict:
@@ -101,7 +128,7 @@ def hf_config(name: str, shape: Shape, tied: bool) -> dict:
 
 class Titan03:
     """torchtitan 0.3: a `ModelSpec` holding a config from the family's own layer builders
-    (fused QKV, as its flavors), and `Configurable` components."""
+    (fused QKV, as its flavors) or a registered flavor's, and `Configurable` components."""
 
     def __init__(self, args: argparse.Namespace, shape: Shape):
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -110,17 +137,16 @@ class Titan03:
         from torchtitan.models.common.attention import ScaledDotProductAttention
 
         self.args, self.final = args, args.save == "final"
-        config, model_registry, set_sharding = self._family(args.model, shape, args.tied)
+        self.spec, set_sharding = self._flavor(args.flavor) if args.flavor else self._family(args.model, shape, args.tied)
         # Causal SDPA, swapped in as torchtitan's own graph_trainer tests do: its flex attention
         # has no backward on CPU. On one unpadded document both compute the same.
-        for layer in config.layers:
+        for layer in self.spec.model.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
-        set_sharding(config)
-        self.spec = dataclasses.replace(model_registry("debugmodel"), model=config)
+        set_sharding(self.spec.model)
         # torch 2.13's fully_shard cannot read the default "spmd_types" annotations.
         self.parallelism = ParallelismConfig(data_parallel_shard_degree=WORLD_SIZE, spmd_backend="partial_dtensor")
         dist_utils.set_spmd_backend(self.parallelism.spmd_backend)
-        self.training = TrainingConfig(steps=STEPS, seq_len=SEQ_LEN, local_batch_size=BATCH,
+        self.training = TrainingConfig(steps=args.steps, seq_len=SEQ_LEN, local_batch_size=BATCH,
                                        dtype="float32" if self.final else args.dtype)
         self.parallelize_kwargs = dict(
             training=self.training, parallelism=self.parallelism, compile_config=CompileConfig(),
@@ -128,7 +154,16 @@ class Titan03:
         )
 
     @staticmethod
+    def _flavor(flavor: str):
+        """The ModelSpec of a registered Llama 3 flavor, and its sharding setter."""
+        from torchtitan.models import llama3
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        return llama3.model_registry(flavor), lambda c: set_llama3_sharding_config(c, enable_sp=False)
+
+    @staticmethod
     def _family(name: str, shape: Shape, tied: bool):
+        """A ModelSpec of the family `name` holding the tiny model's config, and its sharding setter."""
         from torchtitan.models import llama3, qwen3
         from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
@@ -158,7 +193,8 @@ class Titan03:
                                       param_init=llama3._output_linear_init(shape.dim)),
                 layers=llama3._build_llama3_layers(**common, hidden_dim=shape.hidden, rope=rope),
             )
-            return config, llama3.model_registry, lambda c: set_llama3_sharding_config(c, enable_sp=False)
+            spec = dataclasses.replace(llama3.model_registry("debugmodel"), model=config)
+            return spec, lambda c: set_llama3_sharding_config(c, enable_sp=False)
         common.update(head_dim=shape.qwen3_head_dim,
                       rope=CosSinRoPE.Config(dim=shape.qwen3_head_dim, max_seq_len=shape.max_seq_len,
                                              theta=shape.rope_theta))
@@ -173,7 +209,8 @@ class Titan03:
             **model_config, norm=qwen3._qwen3_norm(shape.dim), layers=layers,
             lm_head=Linear.Config(in_features=shape.dim, out_features=shape.vocab, param_init=qwen3._LINEAR_INIT),
         )
-        return config, qwen3.model_registry, lambda c: set_qwen3_sharding_config(c, enable_sp=False, enable_ep=False)
+        spec = dataclasses.replace(qwen3.model_registry("debugmodel"), model=config)
+        return spec, lambda c: set_qwen3_sharding_config(c, enable_sp=False, enable_ep=False)
 
     def parallel_dims(self):
         from torchtitan.distributed import ParallelDims
@@ -194,9 +231,10 @@ class Titan03:
         optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
         if self.spec.post_optimizer_build_fn is not None:
             self.spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)
-        lr_schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=STEPS)
+        lr_schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(
+            optimizers=optimizers, training_steps=max(self.args.steps, 1))
         checkpointer = CheckpointManager.Config(
-            enable=True, interval=STEPS, export_dtype=self.args.dtype if self.final else "float32",
+            enable=True, interval=max(self.args.steps, 1), export_dtype=self.args.dtype if self.final else "float32",
         ).build(
             dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
             states={"train_state": train_state}, sd_adapter=self.adapter(), base_folder=self.args.out,
@@ -231,11 +269,11 @@ class Titan02:
         self.model_args = self._model_args(args.model, shape, args.tied)
         job = self.job = JobConfig()
         job.job.dump_folder = args.out
-        job.training.steps, job.training.seq_len, job.training.local_batch_size = STEPS, SEQ_LEN, BATCH
+        job.training.steps, job.training.seq_len, job.training.local_batch_size = args.steps, SEQ_LEN, BATCH
         job.training.dtype = "float32" if final else args.dtype
         job.parallelism.data_parallel_shard_degree = WORLD_SIZE
         job.lr_scheduler.warmup_steps = 1
-        job.checkpoint.enable, job.checkpoint.interval = True, STEPS
+        job.checkpoint.enable, job.checkpoint.interval = True, max(args.steps, 1)
         job.checkpoint.export_dtype = args.dtype if final else "float32"
         self.model_args.update_from_config(job)
 
@@ -286,7 +324,7 @@ class Titan02:
         from torchtitan.components.checkpoint import CheckpointManager
 
         optimizers = self.spec.build_optimizers_fn([model], self.job.optimizer, parallel_dims)
-        lr_schedulers = self.spec.build_lr_schedulers_fn(optimizers, self.job.lr_scheduler, STEPS)
+        lr_schedulers = self.spec.build_lr_schedulers_fn(optimizers, self.job.lr_scheduler, max(self.args.steps, 1))
         checkpointer = CheckpointManager(
             dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
             states={"train_state": train_state}, checkpoint_config=self.job.checkpoint, sd_adapter=self.adapter(),
@@ -349,7 +387,7 @@ def materialize(model: torch.nn.Module) -> None:
 
 
 def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
-    """One gloo rank: build, shard, train `STEPS` steps and save as torchtitan's Trainer does."""
+    """One gloo rank: build, shard, train `--steps` steps and save as torchtitan's Trainer does."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
@@ -363,7 +401,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
     # Its mesh builder takes the accelerator's device type; these ranks run on CPU.
     parallel_dims_module.device_type = "cpu"
-    shape = Shape()
+    shape = flavor_shape(args.flavor) if args.flavor else Shape()
     titan = installed_torchtitan()(args, shape)
     parallel_dims = titan.parallel_dims()
     parallel_dims.build_mesh()
@@ -383,7 +421,8 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     train_state = TrainState()
     optimizers, lr_schedulers, checkpointer = titan.components(model, parallel_dims, dataloader, train_state)
     batches = iter(dataloader)
-    for step in range(1, STEPS + 1):
+    final = args.save == "final"
+    for step in range(1, args.steps + 1):
         optimizers.zero_grad()
         inputs, labels = next(batches)
         logits = titan.forward(model, inputs["input"])
@@ -394,19 +433,24 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
         optimizers.step()
         lr_schedulers.step()
         train_state.step, train_state.ntokens_seen = step, train_state.ntokens_seen + labels.numel()
-        checkpointer.save(step, last_step=args.save == "final" and step == STEPS)
+        checkpointer.save(step, last_step=final and step == args.steps)
+    if args.steps == 0:
+        checkpointer.save(0, last_step=final)
     checkpointer.close()
 
-    saved_dtype = TORCH_DTYPE_MAP[args.dtype]
-    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    if not args.flavor:
+        saved_dtype = TORCH_DTYPE_MAP[args.dtype]
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+        if rank == 0:
+            write_reference(args, titan, {k: v.to(saved_dtype) if v.is_floating_point() else v for k, v in state.items()})
     if rank == 0:
-        write_reference(args, titan, {k: v.to(saved_dtype) if v.is_floating_point() else v for k, v in state.items()})
+        write_hf_config(args, shape)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def write_reference(args: argparse.Namespace, titan, state: dict[str, torch.Tensor]) -> None:
-    """torchtitan's HF conversion of the saved weights, its model's logits on them, the HF config."""
+    """torchtitan's HF conversion of the saved weights and its model's logits on them."""
     reference = os.path.join(args.out, "reference")
     os.makedirs(reference, exist_ok=True)
     hf_state = titan.adapter().to_hf(dict(state))
@@ -421,9 +465,12 @@ def write_reference(args: argparse.Namespace, titan, state: dict[str, torch.Tens
         logits = titan.forward(model, torch.tensor(PROMPT_IDS)).float()
     save_file({"logits": logits.contiguous()}, os.path.join(reference, "logits.safetensors"))
 
+
+def write_hf_config(args: argparse.Namespace, shape: Shape) -> None:
+    """`DIR/hf/config.json`: the Hugging Face config of the model written."""
     os.makedirs(os.path.join(args.out, "hf"), exist_ok=True)
     with open(os.path.join(args.out, "hf", "config.json"), "w") as f:
-        json.dump(hf_config(args.model, Shape(), args.tied), f, indent=2)
+        json.dump(hf_config(args.model, shape, args.tied), f, indent=2)
 
 
 def free_port() -> int:
@@ -437,12 +484,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", choices=["llama3", "qwen3", "qwen3_moe"], required=True)
-    tying = parser.add_mutually_exclusive_group(required=True)
-    tying.add_argument("--tied", dest="tied", action="store_true")
+    tying = parser.add_mutually_exclusive_group()
+    tying.add_argument("--tied", dest="tied", action="store_true", default=None)
     tying.add_argument("--untied", dest="tied", action="store_false")
+    parser.add_argument("--flavor", help="a registered torchtitan 0.3 Llama 3 flavor (1B, 8B...) instead of the tiny model")
     parser.add_argument("--save", choices=["final", "periodic"], required=True)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps before the save (0: none)")
     args = parser.parse_args()
+    if args.flavor:
+        if args.model != "llama3" or installed_torchtitan() is Titan02 or args.tied is not None:
+            parser.error("--flavor takes --model llama3, torchtitan 0.3, and no --tied/--untied (the flavor decides)")
+        args.tied = flavor_tied(args.flavor)
+    elif args.tied is None:
+        parser.error("one of --tied, --untied is required")
     if installed_torchtitan() is Titan02 and (args.tied or args.model == "qwen3_moe"):
         parser.error(Titan02.UNSUPPORTED)
     mp.spawn(run_rank, args=(args, free_port()), nprocs=WORLD_SIZE)
