@@ -148,6 +148,24 @@ def lora_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hf_sharded_checkpoints(tmp_path_factory):
+    """torch's sharded HF safetensors of two models, written by one set of 2 gloo ranks: as
+    torchtitan's `last_save_in_hf` leaves them (`titan/step-10/sharded/`, a tied Qwen2 with
+    uneven shards, its config in `titan-hf/`) and as NeMo Automodel saves them
+    (`automodel/epoch_0_step_10/model/`, config in its `.hf_metadata/`)."""
+    from support.hf_sharded import ShardedJob, write_hf_sharded_checkpoints
+    from support.models import tiny_config, write_hf_folder
+
+    root = tmp_path_factory.mktemp("hf-sharded")
+    titan = ShardedJob(tiny_config("qwen2-tied", vocab_size=1001), str(root / "titan" / "step-10" / "sharded"))
+    automodel = ShardedJob(tiny_config("llama-untied"), str(root / "automodel" / "epoch_0_step_10" / "model"), seed=1)
+    written = write_hf_sharded_checkpoints([titan, automodel], world_size=2)
+    write_hf_folder(titan.config, str(root / "titan-hf"))
+    write_hf_folder(automodel.config, f"{automodel.out_dir}/.hf_metadata")
+    return {"titan": written[0], "automodel": written[1], "titan-hf": str(root / "titan-hf")}
+
+
+@pytest.fixture(scope="session")
 def s3_checkpoints(checkpoints, s3_endpoint):
     """The same checkpoints uploaded to the S3 server."""
     return {name: upload(written.path, f"s3://{BUCKET}/checkpoints/{name}") for name, written in checkpoints.items()}

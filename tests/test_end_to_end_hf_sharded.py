@@ -12,21 +12,13 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
 from support.helpers import download, error_lines, reload, run_main, upload
-from support.hf_sharded import ShardedJob, write_hf_sharded_checkpoints
-from support.models import tiny_config, write_hf_folder
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf-sharded")
-    titan = ShardedJob(tiny_config("qwen2-tied", vocab_size=1001), str(root / "titan" / "step-10" / "sharded"))
-    automodel = ShardedJob(tiny_config("llama-untied"), str(root / "automodel" / "epoch_0_step_10" / "model"), seed=1)
-    checkpoints = write_hf_sharded_checkpoints([titan, automodel], world_size=2)
-    write_hf_folder(titan.config, str(root / "titan-hf"))
-    write_hf_folder(automodel.config, f"{automodel.out_dir}/.hf_metadata")
-    return {"titan": checkpoints[0], "automodel": checkpoints[1], "titan-hf": str(root / "titan-hf")}
+def saved(hf_sharded_checkpoints):
+    return hf_sharded_checkpoints
 
 
 def exported_tensors(folder) -> dict[str, torch.Tensor]:

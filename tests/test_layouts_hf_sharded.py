@@ -25,7 +25,6 @@ from rayexport.nodes import files_below
 from rayexport.plan.pieces import tensor_pieces
 from rayexport.storage import Store
 from rayexport.storage_nodes import NodeFiles, node_labels, spread_store
-from support.hf_sharded import ShardedJob, write_hf_sharded_checkpoints
 from support.models import tiny_config, write_hf_folder
 
 RANK_FILES = (
@@ -35,11 +34,9 @@ RANK_FILES = (
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory):
+def written(hf_sharded_checkpoints):
     """torchtitan's place for them: `step-10/sharded/`."""
-    root = tmp_path_factory.mktemp("hf-sharded")
-    job = ShardedJob(tiny_config("qwen2-tied", vocab_size=1001), str(root / "step-10" / "sharded"))
-    return write_hf_sharded_checkpoints([job], world_size=2)[0]
+    return hf_sharded_checkpoints["titan"]
 
 
 @pytest.fixture
