@@ -57,9 +57,9 @@ try:
     trainer = Trainer.remote()
     report("trainer", gpus=ray.get(trainer.gpus.remote()))
     attempt("auto_busy")  # 2 GPUs in the cluster, none free
-    attempt("remote_nccl_busy_cli", backend="nccl", placement_timeout_s=3)
+    attempt("remote_nccl_busy_cli", backend="nccl", placement_timeout_s=1)
     try:
-        ray.get(export_remote(source, f"{root}/remote-nccl", workers=2, backend="nccl", placement_timeout_s=3,
+        ray.get(export_remote(source, f"{root}/remote-nccl", workers=2, backend="nccl", placement_timeout_s=1,
                               verify="none"), timeout=600)
     except ExportError as error:
         report("remote_nccl_busy", error=str(error), typed=isinstance(error, ExportFailed))
@@ -110,7 +110,7 @@ def test_auto_counts_the_free_gpus_not_the_total(scenarios):
 def test_gpus_that_cannot_be_placed_fail_within_the_placement_timeout(scenarios):
     result = scenarios["remote_nccl_busy_cli"]
     assert result["error"] == (
-        "the Ray cluster cannot place 2 worker(s) of {CPU: 1, GPU: 1} within 3 s (--placement-timeout): "
+        "the Ray cluster cannot place 2 worker(s) of {CPU: 1, GPU: 1} within 1 s (--placement-timeout): "
         "missing GPU 2 needed, 0 free of 2"
     )
     assert result["seconds"] < 30

@@ -2,7 +2,10 @@
 sees its own folder at the same path (support/node_cluster.py: a mount namespace per node), as
 verl leaves a multi-node run without a shared filesystem. Node A holds ranks 0-1, `huggingface/`
 and `fsdp_config.json`; node B ranks 2-3. Exports run as a user runs them: the CLI, joined to
-that cluster through RAY_ADDRESS."""
+that cluster through RAY_ADDRESS.
+
+The verl and the DCP checkpoint hold the same model, so one export from a folder both nodes see
+is what either, split over the nodes, must export byte for byte."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,6 +27,8 @@ REFUSED = mount_namespaces_refused()
 pytestmark = pytest.mark.skipif(REFUSED is not None, reason=REFUSED or "")
 
 WORLD = 4
+# A dense tied model (its in-memory names are its on-disk ones), both layouts written by one set of ranks.
+MODEL = "qwen3"
 NODE_A = ["huggingface", "fsdp_config.json", rank_file_name(WORLD, 0), rank_file_name(WORLD, 1)]
 NODE_B = [rank_file_name(WORLD, 2), rank_file_name(WORLD, 3)]
 DCP_A = ["huggingface", ".metadata", "__0_0.distcp", "__1_0.distcp"]
@@ -38,15 +44,13 @@ def _copy(source: str, names: list[str], target: str) -> None:
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
-    """The two-node cluster, and the checkpoints: each whole in one folder both nodes see
-    (`whole`), and split between the nodes' own folders under `view`."""
-    from support.checkpoints import write_dcp_checkpoint, write_verl_checkpoint
-    from support.models import tiny_config
+    """The two-node cluster, and the checkpoints of one model: each whole in one folder both
+    nodes see (`whole`), and split between the nodes' own folders under `view`."""
+    from support.checkpoints import write_format_checkpoints
 
     root = tmp_path_factory.mktemp("node-local")
-    whole = {"verl": str(root / "whole-verl"), "dcp": str(root / "whole-dcp")}
-    write_verl_checkpoint(tiny_config("qwen2-tied"), whole["verl"], world_size=WORLD)
-    write_dcp_checkpoint(tiny_config("llama-untied"), whole["dcp"], world_size=WORLD)
+    written = write_format_checkpoints(str(root / "whole"), [(MODEL, "in-memory", layout) for layout in ("verl", "dcp")], WORLD)
+    whole = {layout: checkpoint.path for (_, _, layout), checkpoint in written.items()}
     disk_a, disk_b = root / "disk-a", root / "disk-b"
     _copy(whole["verl"], NODE_A, str(disk_a / "verl"))
     _copy(whole["verl"], NODE_B, str(disk_b / "verl"))
@@ -58,7 +62,8 @@ def nodes(tmp_path_factory):
     _copy(whole["verl"], NODE_B, str(disk_b / "verl-differs"))
     with open(disk_b / "verl-differs" / NODE_B[0], "ab") as handle:
         handle.write(b"one more write on node B")  # rank 2's file is not the same on both nodes
-    cluster = NodeCluster(str(root / "view"), [str(disk_a), str(disk_b)]).start()
+    # 4 CPUs a node: two exports of 4 workers (2 on each node) run at once (`runs`).
+    cluster = NodeCluster(str(root / "view"), [str(disk_a), str(disk_b)], num_cpus=4).start()
     try:
         yield {"cluster": cluster, "whole": whole, "view": cluster.view, "disks": (str(disk_a), str(disk_b)), "root": root}
     finally:
@@ -84,15 +89,18 @@ import ray
 from rayexport import export_remote
 
 ray.init(logging_level="WARNING")
-report = ray.get(export_remote(sys.argv[1], sys.argv[2]))
+report = ray.get(export_remote(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3]))
 print("REPORT " + json.dumps(dataclasses.asdict(report)))
 """
 
 
-def run_export_remote(cluster: NodeCluster, src: str, dst: str) -> tuple[subprocess.CompletedProcess, dict | None, float]:
+def run_export_remote(
+    cluster: NodeCluster, src: str, dst: str, max_shard_size: str
+) -> tuple[subprocess.CompletedProcess, dict | None, float]:
     """`export_remote()` from a driver of the cluster, as an RL loop calls it after a checkpoint."""
     started = time.perf_counter()
-    completed = subprocess.run([sys.executable, "-c", REMOTE, src, dst], capture_output=True, text=True, timeout=400, env=cluster.env)
+    command = [sys.executable, "-c", REMOTE, src, dst, max_shard_size]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=400, env=cluster.env)
     seconds = time.perf_counter() - started
     lines = [line for line in completed.stdout.splitlines() if line.startswith("REPORT ")]
     return completed, json.loads(lines[0].removeprefix("REPORT ")) if lines else None, seconds
@@ -108,34 +116,46 @@ def safetensors_bytes(folder: str) -> dict[str, bytes]:
 
 
 # Small shards, so that two writers have files to share and the byte comparison covers an index.
-SHARDS = ("--max-shard-size", "100KB")
+SHARD_SIZE = "100KB"
+SHARDS = ("--max-shard-size", SHARD_SIZE)
 
 
 @pytest.fixture(scope="module")
-def one_folder_verl(nodes):
-    """The verl checkpoint exported from the folder both nodes see to a destination path under
-    which each node has a disk of its own, with two writers: the completed CLI, its report, the
-    folders of the two disks that hold the export, and its seconds."""
-    completed, report, seconds = run_export(
-        nodes["cluster"], "--src", nodes["whole"]["verl"], "--dst", f"{nodes['view']}/out", "--workers", "2", "--writers", "2", *SHARDS,
-    )
-    holding = [os.path.join(disk, "out") for disk in nodes["disks"] if os.path.exists(os.path.join(disk, "out"))]
-    return completed, report, holding, seconds
+def runs(nodes):
+    """Every export this module checks, by name: the completed process, its report and its
+    seconds. They run two at a time, since on a machine of few cores one export leaves them
+    idle much of its time.
+
+    `one-folder`: the verl checkpoint from the folder both nodes see, to a destination path
+    under which each node has a disk of its own, with two writers. `split-verl` (the CLI) and
+    `split-dcp` (`export_remote()`): each layout from its files split between the nodes.
+    `missing`, `differs`: the CLI on checkpoints no export may start from."""
+    cluster, view, root = nodes["cluster"], nodes["view"], nodes["root"]
+    started = {
+        "one-folder": lambda: run_export(
+            cluster, "--src", nodes["whole"]["verl"], "--dst", f"{view}/out", "--workers", "2", "--writers", "2", *SHARDS),
+        "split-verl": lambda: run_export(cluster, "--src", f"{view}/verl", "--dst", str(root / "split-verl"), *SHARDS),
+        "split-dcp": lambda: run_export_remote(cluster, f"{view}/dcp", str(root / "split-dcp"), SHARD_SIZE),
+        "missing": lambda: run_export(cluster, "--src", f"{view}/verl-missing", "--dst", str(root / "missing")),
+        "differs": lambda: run_export(cluster, "--src", f"{view}/verl-differs", "--dst", str(root / "differs")),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run) for name, run in started.items()}
+    return {name: future.result() for name, future in futures.items()}
+
+
+def holding(nodes, name: str) -> list[str]:
+    """The disks' folders that hold the export to `view`/`name`."""
+    return [os.path.join(disk, name) for disk in nodes["disks"] if os.path.exists(os.path.join(disk, name))]
 
 
 @pytest.mark.parametrize("layout", ["verl", "dcp"])
-def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_folder(nodes, one_folder_verl, layout):
+def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_folder(nodes, runs, layout):
     """verl's rank files through the CLI; DCP's `.distcp` files (`.metadata` on node A only)
-    through `export_remote()`, whose export runs in a Ray task on either node."""
-    cluster, root = nodes["cluster"], nodes["root"]
-    if layout == "verl":
-        split, split_report, split_s = run_export(cluster, "--src", f"{nodes['view']}/verl", "--dst", str(root / "split-verl"), *SHARDS)
-        whole, _, reference, whole_s = one_folder_verl
-        reference = reference[0]
-    else:
-        split, split_report, split_s = run_export_remote(cluster, f"{nodes['view']}/dcp", str(root / "split-dcp"))
-        reference = str(root / "one-folder-dcp")
-        whole, _, whole_s = run_export(cluster, "--src", nodes["whole"]["dcp"], "--dst", reference, "--verify", "none")
+    through `export_remote()`, whose export runs in a Ray task on either node. Both against the
+    model's export from the verl checkpoint's one folder."""
+    split, split_report, split_s = runs[f"split-{layout}"]
+    whole, _, whole_s = runs["one-folder"]
     assert split.returncode == 0 and split_report is not None, split.stderr[-4000:]
     assert whole.returncode == 0, whole.stderr[-4000:]
     print(f"{layout}: split over two nodes {split_s:.1f} s, from one folder {whole_s:.1f} s")
@@ -147,12 +167,12 @@ def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_fol
     if layout == "verl":  # the CLI's log says, per node, what it reads and which worker
         reading = re.findall(r"rayexport.group: node (.+): worker\(s\) ([\d, ]+) read (.+)", split.stderr)
         assert len(reading) == 2, split.stderr[-3000:]
-    exported = safetensors_bytes(str(root / f"split-{layout}"))
-    assert exported and exported == safetensors_bytes(reference)
+    exported = safetensors_bytes(str(nodes["root"] / f"split-{layout}"))
+    assert exported and exported == safetensors_bytes(holding(nodes, "out")[0])
 
 
-def test_ranks_on_no_node_are_one_line_before_any_worker_starts(nodes):
-    completed, _, _ = run_export(nodes["cluster"], "--src", f"{nodes['view']}/verl-missing", "--dst", str(nodes["root"] / "missing"))
+def test_ranks_on_no_node_are_one_line_before_any_worker_starts(nodes, runs):
+    completed, _, _ = runs["missing"]
     assert completed.returncode == 1
     lines = [line for line in completed.stderr.splitlines() if line.startswith("rayexport: error:")]
     assert len(lines) == 1, completed.stderr[-3000:]
@@ -161,8 +181,8 @@ def test_ranks_on_no_node_are_one_line_before_any_worker_starts(nodes):
     assert not os.path.exists(nodes["root"] / "missing")
 
 
-def test_a_file_whose_size_differs_between_nodes_is_one_line_naming_both(nodes):
-    completed, _, _ = run_export(nodes["cluster"], "--src", f"{nodes['view']}/verl-differs", "--dst", str(nodes["root"] / "differs"))
+def test_a_file_whose_size_differs_between_nodes_is_one_line_naming_both(runs):
+    completed, _, _ = runs["differs"]
     assert completed.returncode == 1
     lines = [line for line in completed.stderr.splitlines() if line.startswith("rayexport: error:")]
     assert len(lines) == 1 and re.fullmatch(
@@ -172,14 +192,15 @@ def test_a_file_whose_size_differs_between_nodes_is_one_line_naming_both(nodes):
     assert "worker(s) over" not in completed.stderr
 
 
-def test_a_local_destination_on_two_nodes_is_written_whole_on_one(one_folder_verl):
+def test_a_local_destination_on_two_nodes_is_written_whole_on_one(nodes, runs):
     """`--writers 2` with a destination path every node has a disk of its own under: the whole
     export, its manifest and its reload on one node."""
-    completed, report, holding, _ = one_folder_verl
+    completed, report, _ = runs["one-folder"]
+    written_on = holding(nodes, "out")
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert report["export_node"] and f"on node {report['export_node']}" in completed.stdout
     assert report["verification"]["passed"] and "reload" in report["verification"]["checks"]
-    assert len(holding) == 1, holding
-    written = set(os.listdir(holding[0]))
+    assert len(written_on) == 1, written_on
+    written = set(os.listdir(written_on[0]))
     assert "export_manifest.json" in written and set(report["files"]) <= written
     assert len([worker for worker, files in report["files_by_worker"].items() if files]) == 2  # both writers wrote

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 # Token authentication for the cluster and its drivers: the head writes ~/.ray/auth_token if
 # there is none, and the other nodes and drivers read it.
@@ -39,6 +40,17 @@ def mount_namespaces_refused() -> str | None:
     return None
 
 
+# Joins the cluster once and returns when argv[1] nodes are alive (one driver, not one per poll).
+PROBE = """
+import sys, time
+import ray
+
+ray.init(logging_level="ERROR")
+while sum(node["Alive"] for node in ray.nodes()) < int(sys.argv[1]):
+    time.sleep(0.1)
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -47,6 +59,18 @@ def _free_port() -> int:
 
 def _ray() -> str:
     return os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def _tail(log: str) -> str:
+    with open(log) as handle:
+        return handle.read()[-2000:]
+
+
+def _succeeded(probe: subprocess.Popen, log: str) -> bool:
+    """Whether the probe has ended well; an error if it has ended otherwise."""
+    if probe.poll() not in (None, 0):
+        raise RuntimeError(f"the probe joining the cluster ended ({probe.returncode}): {_tail(log)}")
+    return probe.returncode == 0
 
 
 class NodeCluster:
@@ -66,12 +90,17 @@ class NodeCluster:
         return {**env, **AUTH_ENV, "RAY_ADDRESS": self.address}
 
     def start(self) -> "NodeCluster":
+        """Start the head, then, once its GCS listens, the other nodes all at once; return when
+        every node is alive."""
         os.makedirs(self.view, exist_ok=True)
         for index, folder in enumerate(self.folders):
+            # The head's log monitor sends every node's logs to the drivers (the nodes share one
+            # session folder), so the others have none; each node's agent has a port of its own
+            # (a second agent on the default port retries for seconds, then goes without).
             role = ["--head", "--port", self.address.split(":")[1], "--include-dashboard", "false"] if index == 0 else [
-                "--address", self.address]
+                "--address", self.address, "--include-log-monitor", "false"]
             command = [_ray(), "start", *role, "--num-cpus", str(self.num_cpus), "--object-store-memory", str(200 << 20),
-                       "--temp-dir", self.temp_dir, "--block"]
+                       "--dashboard-agent-listen-port", str(_free_port()), "--temp-dir", self.temp_dir, "--block"]
             script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
             log = os.path.join(self.temp_dir, f"node{index}.log")
             self.logs.append(log)
@@ -80,21 +109,36 @@ class NodeCluster:
                     ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", folder, self.view, *command],
                     stdout=handle, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
                 ))
-            self._wait_for_nodes(index + 1)
+            if index == 0:
+                self._wait_until(self._gcs_listens, "the head's GCS did not listen")
+        log = os.path.join(self.temp_dir, "probe.log")
+        with open(log, "w") as handle:
+            probe = subprocess.Popen([sys.executable, "-c", PROBE, str(len(self.folders))],
+                                     stdout=handle, stderr=subprocess.STDOUT, env=self.env)
+        try:
+            self._wait_until(lambda: _succeeded(probe, log), f"{len(self.folders)} node(s) did not come up")
+        finally:
+            if probe.poll() is None:
+                probe.kill()
+                probe.wait()
         return self
 
-    def _wait_for_nodes(self, count: int, within_s: float = 90) -> None:
-        probe = "import ray; ray.init(logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"
+    def _gcs_listens(self) -> bool:
+        with socket.socket() as connection:
+            connection.settimeout(1)
+            return connection.connect_ex(("127.0.0.1", int(self.address.split(":")[1]))) == 0
+
+    def _wait_until(self, done: Callable[[], bool], failure: str, within_s: float = 90) -> None:
+        """Poll `done` until it holds; a node's `ray start` that ends first, or `within_s`
+        passing, is an error naming `failure`."""
         deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
+        while not done():
             for process, log in zip(self.processes, self.logs):
                 if process.poll() is not None:
-                    raise RuntimeError(f"a node's ray start ended ({process.returncode}): {open(log).read()[-2000:]}")
-            found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=self.env, timeout=60)
-            if found.returncode == 0 and found.stdout.strip().splitlines()[-1:] == [str(count)]:
-                return
-            time.sleep(1)
-        raise RuntimeError(f"{count} node(s) did not come up within {within_s:.0f} s; see {self.temp_dir}")
+                    raise RuntimeError(f"a node's ray start ended ({process.returncode}): {_tail(log)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{failure} within {within_s:.0f} s; see {self.temp_dir}")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         """End each node's `ray start --block` (by pid), which ends its node's processes."""
