@@ -26,8 +26,8 @@ from rayexport.layouts.dcp_metadata import (
     DCP_METADATA, NON_MODEL_NAMES, DcpTensor, describe_entry, detect_prefix, first_name, read_metadata,
 )
 from rayexport.layouts.dcp_spool import SpooledTensors, spool
-from rayexport.layouts.shards import ShardInfo
 from rayexport.plan.naming import model_names
+from rayexport.plan.pieces import holders_by_key
 from rayexport.plan.schedule import assign_by_bytes, keep_ties_together
 from rayexport.storage import Store
 
@@ -77,10 +77,7 @@ class DcpCheckpoint(Checkpoint):
         for name, worker in file_readers.items():
             parts.setdefault(worker, {})[rank_of_file[name]] = name
         rank_infos = load({worker: FilesPart(files) for worker, files in parts.items()})
-        holders: dict[str, dict[int, ShardInfo]] = {}
-        for rank, infos in sorted(rank_infos.items()):
-            for key, info in infos.items():
-                holders.setdefault(key, {})[rank] = info
+        holders = holders_by_key(rank_infos)
         worker_of_rank = {rank_of_file[name]: worker for name, worker in file_readers.items()}
         return Loaded(rank_infos, holders, worker_of_rank)
 

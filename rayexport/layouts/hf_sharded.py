@@ -9,7 +9,6 @@ worker, as verl's rank files are."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -19,9 +18,10 @@ from rayexport.errors import ExportError, one_line
 from rayexport.layouts.base import HF_DIR, Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors
 from rayexport.layouts.hf import SafetensorsFiles
 from rayexport.layouts.hf_sharded_headers import Piece, full_shape, header_pieces, read_header
-from rayexport.layouts.mapped import mapped_ranges
+from rayexport.layouts.mapped import local_file, mapped_ranges
 from rayexport.layouts.shards import ShardInfo
 from rayexport.layouts.verl import spans
+from rayexport.plan.pieces import holders_by_key
 from rayexport.plan.schedule import assign_ranks
 from rayexport.scan import is_finite
 from rayexport.storage import Store
@@ -61,11 +61,7 @@ class ShardedSafetensorsCheckpoint(Checkpoint):
         for rank, worker in sorted(worker_of_rank.items()):
             parts.setdefault(worker, []).append(rank)
         rank_infos = load(parts)
-        holders: dict[str, dict[int, ShardInfo]] = {}
-        for rank, infos in sorted(rank_infos.items()):
-            for key, info in infos.items():
-                holders.setdefault(key, {})[rank] = info
-        return Loaded(rank_infos, holders, worker_of_rank)
+        return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
 
     def part_bytes(self, part: list[int]) -> int:
         """The bytes of the files of the ranks `part`."""
@@ -75,7 +71,7 @@ class ShardedSafetensorsCheckpoint(Checkpoint):
         """The files of the ranks `part`, memory-mapped (remote ones spooled to local disk first)."""
         states: dict[int, SourceTensors] = {}
         for rank in part:
-            paths = {name: _local_file(self.store, name, spool_dir, spooled) for name in self.rank_files[rank]}
+            paths = {name: local_file(self.store, name, spool_dir, spooled) for name in self.rank_files[rank]}
             states[rank] = ShardFiles(self, paths)
         return states
 
@@ -183,13 +179,3 @@ def find_sharded_checkpoint(store: Store) -> ShardedSafetensorsCheckpoint:
         nearby_hf_folder=next((store.child(name) for name in NEARBY_HF_DIRS if store.exists(f"{name}/config.json")), None),
         rank_files=rank_files, pieces=pieces, shapes={key: full_shape(key, held) for key, held in by_key.items()},
     )
-
-
-def _local_file(store: Store, name: str, spool_dir: str, spooled: Advance) -> str:
-    if store.is_local:
-        if not os.path.exists(store.path(name)):
-            raise ExportError(f"not found: '{store.display(name)}'")
-        return store.path(name)
-    path = os.path.join(spool_dir, name)
-    store.download(name, path, spooled)
-    return path

@@ -1,4 +1,5 @@
-"""Memory-mapped source files: give back the pages a worker has already read.
+"""Memory-mapped source files: where a worker maps each one from (a remote file spooled to its
+local disk first), and giving back the pages it has already read.
 
 Pages of a mapped file that a process has touched count in its resident memory until it
 unmaps them, so a worker streaming a 10 GB rank file would end up "holding" 10 GB. Telling
@@ -12,8 +13,25 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from typing import Any, Callable
+
+from rayexport.errors import ExportError
+from rayexport.storage import Store
 
 MADV_DONTNEED = 4
+
+
+def local_file(store: Store, name: str, spool_dir: str, progress: Callable[[int], Any] = lambda count: None) -> str:
+    """The local path a worker maps `name` from: the file itself in a local store, else its copy
+    downloaded into `spool_dir` (`progress` gets each count of bytes spooled), so that a remote
+    file too is memory-mapped rather than held in RAM."""
+    if store.is_local:
+        if not os.path.exists(store.path(name)):
+            raise ExportError(f"not found: '{store.display(name)}'")
+        return store.path(name)
+    path = os.path.join(spool_dir, name)
+    store.download(name, path, progress)
+    return path
 
 
 def mapped_ranges(path: str) -> list[tuple[int, int]]:

@@ -16,7 +16,7 @@ from rayexport.errors import ExportError
 from rayexport.layouts.base import (
     HF_DIR, Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
 )
-from rayexport.layouts.mapped import mapped_ranges
+from rayexport.layouts.mapped import local_file, mapped_ranges
 from rayexport.layouts.shards import ShardInfo, describe_tensor, local_tensor
 from rayexport.plan.pieces import holders_from_ranks, needed_ranks
 from rayexport.plan.schedule import assign_ranks
@@ -198,13 +198,7 @@ def load_rank_state(
     """
     import torch.distributed.tensor  # noqa: F401 - registers DTensor for weights_only loading
 
-    if store.is_local:
-        path = store.path(name)
-        if not os.path.exists(path):
-            raise ExportError(f"not found: '{store.display(name)}'")
-    else:
-        path = os.path.join(spool_dir, name)
-        store.download(name, path, progress)
+    path = local_file(store, name, spool_dir, progress)
     try:
         state = torch.load(path, map_location="cpu", weights_only=not unsafe_pickle, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as error:

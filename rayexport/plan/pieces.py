@@ -38,8 +38,17 @@ class Piece:
 def holders_from_ranks(rank_infos: dict[int, dict[str, ShardInfo]]) -> dict[str, dict[int, ShardInfo]]:
     """Per key, what each rank holds; every rank file of one checkpoint must hold the same keys."""
     _check_same_keys(rank_infos)
-    ranks = sorted(rank_infos)
-    return {key: {rank: rank_infos[rank][key] for rank in ranks} for key in rank_infos[ranks[0]]}
+    return holders_by_key(rank_infos)
+
+
+def holders_by_key(rank_infos: dict[int, dict[str, ShardInfo]]) -> dict[str, dict[int, ShardInfo]]:
+    """Per key, what each (pseudo-)rank holding part of it holds, ranks in order; ranks may hold
+    different keys (a DCP file's chunks, a sharded safetensors rank's files)."""
+    holders: dict[str, dict[int, ShardInfo]] = {}
+    for rank, infos in sorted(rank_infos.items()):
+        for key, info in infos.items():
+            holders.setdefault(key, {})[rank] = info
+    return holders
 
 
 def _check_same_keys(rank_infos: dict[int, dict[str, ShardInfo]]) -> None:
