@@ -1,10 +1,26 @@
-"""rayexport: sharded FSDP training checkpoints to Hugging Face models, with Ray."""
+"""rayexport: sharded FSDP training checkpoints to Hugging Face models, with Ray.
 
-from rayexport.errors import ExportError
-from rayexport.job import export
-from rayexport.report import ExportReport
-from rayexport.options import ExportOptions
-from rayexport.pool import close_pool
-from rayexport.remote import ExportFailed, export_remote
+The names below are imported on first use, so that `python -m rayexport.run` can start Ray
+before it imports torch and transformers."""
 
-__all__ = ["ExportError", "ExportFailed", "ExportOptions", "ExportReport", "close_pool", "export", "export_remote"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_MODULE_OF = {
+    "ExportError": "rayexport.errors",
+    "ExportFailed": "rayexport.remote",
+    "ExportOptions": "rayexport.options",
+    "ExportReport": "rayexport.report",
+    "close_pool": "rayexport.pool",
+    "export": "rayexport.job",
+    "export_remote": "rayexport.remote",
+}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'rayexport' has no attribute '{name}'")
+    return getattr(importlib.import_module(_MODULE_OF[name]), name)

@@ -1,10 +1,13 @@
-"""Dtype names shared by every stage: torch's names, and safetensors' codes in its own order."""
+"""Dtype names shared by every stage: torch's names, and safetensors' codes in its own order.
+Planning uses the names and sizes without importing torch (the command line starts Ray first)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # torch dtype name -> safetensors dtype code, listed in the safetensors library's dtype order,
 # which decides the layout of tensors in a file.
@@ -30,6 +33,8 @@ SAFETENSORS_ORDER = {name: position for position, name in enumerate(SAFETENSORS_
 
 
 def dtype_of(name: str) -> torch.dtype:
+    import torch
+
     return getattr(torch, name)
 
 
@@ -38,7 +43,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def itemsize(name: str) -> int:
-    return dtype_of(name).itemsize
+    """Bytes per element of the dtype `name`: the bits in its safetensors code (BOOL: one byte),
+    or torch's own answer for a dtype safetensors has no code for."""
+    code = SAFETENSORS_DTYPES.get(name)
+    if code is None:
+        return dtype_of(name).itemsize
+    bits = "".join(character for character in code.split("_")[0] if character.isdigit())
+    return int(bits) // 8 if bits else 1
 
 
 def nbytes(shape, name: str) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayexport.errors import ExportError
-from rayexport.layouts.registry import LAYOUT_NAMES
+from rayexport.layouts import LAYOUT_NAMES
 from rayexport.levels import AUTO, LEVELS
 from rayexport.placement import is_whole
 from rayexport.plan.formats import FORMATS, ON_DISK

@@ -9,7 +9,7 @@ from support.helpers import folder_with
 
 from rayexport.errors import ExportError
 from rayexport.layouts.base import SourceSettings
-from rayexport.layouts.registry import LAYOUT_NAMES, detect_layout, find_checkpoint, layout_named, snapshot
+from rayexport.layouts.registry import LAYOUT_NAMES, LAYOUTS, detect_layout, find_checkpoint, layout_named, snapshot
 
 
 def test_each_layout_is_detected_from_its_files(tmp_path):
@@ -19,6 +19,7 @@ def test_each_layout_is_detected_from_its_files(tmp_path):
     assert [detect_layout(store).name for store in (verl, dcp, trainer)] == ["verl", "dcp", "accelerate"]
     assert detect_layout(folder_with(tmp_path / "other", {"notes.txt": b"x"})) is None
     assert LAYOUT_NAMES == ("auto", "torchtitan", "dcp", "verl", "accelerate", "hf-sharded")
+    assert LAYOUT_NAMES[1:] == tuple(layout.name for layout in LAYOUTS)  # --layout's choices are the readers'
 
 
 def test_the_watcher_waits_for_each_layouts_completion_marker(tmp_path):

@@ -4,6 +4,7 @@ asked of a source folder: which checkpoint is there, and has its trainer finishe
 from __future__ import annotations
 
 from rayexport.errors import ExportError
+from rayexport.layouts import AUTO, LAYOUT_NAMES
 from rayexport.layouts.accelerate import AccelerateLayout
 from rayexport.layouts.base import Checkpoint, Layout, SourceSettings
 from rayexport.layouts.dcp import DcpLayout
@@ -13,8 +14,6 @@ from rayexport.layouts.verl import VerlLayout
 from rayexport.storage import Store
 
 LAYOUTS: tuple[Layout, ...] = (TorchtitanLayout(), DcpLayout(), VerlLayout(), AccelerateLayout(), ShardedSafetensorsLayout())
-AUTO = "auto"
-LAYOUT_NAMES = (AUTO, *(layout.name for layout in LAYOUTS))
 # What `auto` falls back to when no layout recognises the files: its errors name what is missing.
 FALLBACK = VerlLayout()
 

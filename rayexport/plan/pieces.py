@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rayexport.dtypes import nbytes
 from rayexport.errors import ExportError
-from rayexport.layouts.shards import ShardInfo
+
+if TYPE_CHECKING:
+    from rayexport.layouts.shards import ShardInfo
 
 # The pseudo-rank of tensors the exporter reads from a base model folder (LoRA-only checkpoints).
 BASE_MODEL_RANK = -1
