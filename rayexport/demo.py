@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from rayexport.layouts.verl import rank_file_name
+from rayexport.report import timed_stage
 
 # How long a writer rank waits for the others (to join, or at a collective) before failing
 # instead of hanging: long enough for the largest benchmark checkpoint's ranks, which write
@@ -166,12 +167,18 @@ def _save_model_rank(rank: int, world_size: int, config_dir: str, weights: str, 
     save_rank_state(fully_shard_model(model, mesh).state_dict(), out_dir, rank, world_size)
 
 
-def run_demo(destination: str | None = None, workers: int = 2, **options) -> "ExportReport":  # noqa: F821
-    """Write a tiny tied-embedding FSDP2 checkpoint with 2 gloo ranks, export and verify it."""
-    from rayexport.job import export
+def run_demo(
+    destination: str | None = None, workers: int = 2, seconds: dict[str, float] | None = None, **options
+) -> "ExportReport":  # noqa: F821
+    """Write a tiny tied-embedding FSDP2 checkpoint with 2 gloo ranks, export and verify it
+    (`seconds`: as `run_export` takes it)."""
+    from rayexport.job import run_export
+    from rayexport.options import ExportOptions
 
     root = tempfile.mkdtemp(prefix="rayexport-demo-")
     source = os.path.join(root, "global_step_1", "actor")
     print(f"writing a tiny tied Qwen2-style FSDP2 checkpoint with 2 gloo ranks to {source}")
-    write_verl_checkpoint(tiny_config("qwen2-tied"), source, world_size=2)
-    return export(source, destination or os.path.join(root, "export"), workers=workers, **options)
+    with timed_stage(seconds if seconds is not None else {}, "demo_checkpoint"):
+        write_verl_checkpoint(tiny_config("qwen2-tied"), source, world_size=2)
+    options = ExportOptions(src=source, dst=destination or os.path.join(root, "export"), workers=workers, **options)
+    return run_export(options, seconds=seconds)

@@ -44,15 +44,15 @@ class ExportPlan:
         return self.checkpoint.store
 
 
-def plan_export(options: ExportOptions) -> ExportPlan:
+def plan_export(options: ExportOptions, seconds: dict[str, float] | None = None) -> ExportPlan:
     """The driver's first step: find the checkpoint (its layout) and what DST already holds;
     refuse a destination inside the source, or a committed export of other options without
-    --force."""
+    --force. `seconds`: the stages timed before this one, which the plan's continue."""
     job_deadline = time.monotonic() + options.deadline_s
     storage_options = storage_options_from_env(options.storage_options)
     source = Store(options.src, storage_options)
     destination = Store(options.dst, storage_options)
-    seconds: dict[str, float] = {}
+    seconds = seconds if seconds is not None else {}
     with timed_stage(seconds, "plan"):
         _check_destination(source, destination)
         cluster = cluster_nodes(options) if source.is_local or destination.is_local else None

@@ -12,6 +12,7 @@ from typing import Any
 
 from rayexport.errors import ExportError
 from rayexport.options import ExportOptions
+from rayexport.session import ensure_ray
 from rayexport.storage import Store
 from rayexport.storage_nodes import NodeFiles, node_labels
 from rayexport.waits import cancel_unfinished
@@ -20,20 +21,6 @@ log = logging.getLogger(__name__)
 
 # How long a node may take to list a checkpoint folder, or to run one storage call.
 NODE_CALL_S = 120.0
-
-
-def ensure_ray(options: ExportOptions) -> None:
-    """Join the Ray cluster at RAY_ADDRESS, or start a local one, unless this process already
-    belongs to one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=options.log_level, log_to_driver=True)
-    else:
-        ray.init(include_dashboard=False, logging_level=options.log_level, log_to_driver=True)
 
 
 @dataclass(frozen=True)
@@ -53,7 +40,7 @@ def cluster_nodes(options: ExportOptions) -> ClusterNodes | None:
 
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
         return None
-    ensure_ray(options)
+    ensure_ray(options.log_level)
     alive = [node for node in ray.nodes() if node.get("Alive")]
     if len(alive) < 2:
         return None

@@ -68,6 +68,11 @@ def choose_devices(
     return Devices("nccl", per_worker, f"--num-gpus-per-worker {per_worker:g}")
 
 
+def bundle_text(bundle: dict[str, float]) -> str:
+    """A worker's bundle as the messages name it: `{CPU: 1, GPU: 1}`."""
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in bundle.items()) + "}"
+
+
 def missing_resources(bundle: dict[str, float], count: int, free: dict[str, float], total: dict[str, float]) -> str:
     """What keeps `count` bundles from being placed, for a one-line error: each resource with
     less free than needed, or, when every total would do, that no node has room for them."""

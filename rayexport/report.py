@@ -28,6 +28,7 @@ class ExportReport:
     backend_reason: str = ""  # why this backend (and these GPUs): an option, or what was free
     naming: str = ""  # the naming the checkpoint's tensors were saved under (in-memory / on-disk)
     format: str = ""  # the format written
+    converted: bool = False  # whether the tensors were renamed, split or merged into that format
     dtype: str = ""  # the dtype floating tensors were written in
     dtype_reason: str = ""  # why that dtype
     seconds: dict[str, float] = field(default_factory=dict)
@@ -40,6 +41,10 @@ class ExportReport:
     files_by_worker: dict[str, list[str]] = field(default_factory=dict)  # which worker wrote what
     placement: dict[str, dict[str, Any]] = field(default_factory=dict)  # each worker's Ray node and process
     warm_start: bool = False  # the workers came from a warm pool
+    # the reload's process, started with the workers or, in a warm pool, after the last export:
+    # when (`started_at`, seconds since the epoch), its imports' seconds (`imports_s`) and how long
+    # it was ready before the check came (`waited_s`; above 0: its imports were off the path)
+    reload_process: dict[str, float] = field(default_factory=dict)
     export_node: str | None = None  # the node whose own disk holds a local destination, on a cluster of several
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
@@ -61,9 +66,10 @@ class ExportReport:
             f"  {self.tensor_count} tensors in {sum(name.endswith('.safetensors') for name in self.files)} "
             f"safetensors file(s), {written / 1e6:.1f} MB, {self.workers} worker(s) over {self.backend} "
             f"({self.backend_reason})",
-            f"  {self.format} format from a checkpoint saved with {self.naming} names; {self.dtype} ({self.dtype_reason})",
-            "  stages: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.seconds.items())
-            + f" (total {total:.1f}s)",
+            f"  {self.format} format" + (f", converted from {self.naming} names" if self.converted else "")
+            + f"; {self.dtype} tensors",
+            "  seconds: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.seconds.items())
+            + f" (total {total:.1f})",
             "  peak memory per actor: "
             + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in self.peak_rss_bytes.items()),
             f"  verified ({self.verification.get('level')}): " + ", ".join(self.verification.get("checks", {}))
@@ -75,14 +81,14 @@ class ExportReport:
 
 @contextlib.contextmanager
 def timed_stage(seconds: dict[str, float], name: str) -> Iterator[dict[str, int]]:
-    """Time one stage into `seconds`; the body may set `moved["bytes"]`, and a stage that ends
-    well logs one line: its bytes, seconds and rate."""
+    """Time one stage into `seconds` (a stage timed twice adds up); the body may set
+    `moved["bytes"]`, and a stage that ends well logs one line: its bytes, seconds and rate."""
     started = time.perf_counter()
     moved: dict[str, int] = {}
     try:
         yield moved
     finally:
-        seconds[name] = round(time.perf_counter() - started, 3)
+        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 3)
     if "bytes" in moved:
         rate = moved["bytes"] / max(seconds[name], 1e-3)
         log.info("%s: %.2f GB in %.1f s (%.0f MB/s)", name, moved["bytes"] / 1e9, seconds[name], rate / 1e6)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import os
 import sys
 
 from rayexport.errors import ExportError, print_error
 from rayexport.options import ExportOptions, add_option_arguments, options_from_arguments
+from rayexport.session import command_line_session
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,16 +51,19 @@ def main(argv: list[str] | None = None) -> int:
         return watch_command(args, options)
     if not args.demo and not (source and destination):
         parser.error("--src and --dst are required (or --demo, or --cleanup DST)")
+    if args.demo:
+        options["workers"] = options["workers"] or 2
+    seconds: dict[str, float] = {}
     try:
-        if args.demo:
-            from rayexport.demo import run_demo
+        with command_line_session(options["log_level"], seconds):
+            if args.demo:
+                from rayexport.demo import run_demo
 
-            options["workers"] = options["workers"] or 2
-            report = run_demo(destination, **options)
-        else:
-            from rayexport.job import run_export
+                report = run_demo(destination, seconds=seconds, **options)
+            else:
+                from rayexport.job import run_export
 
-            report = run_export(ExportOptions(src=source, dst=destination, **options))
+                report = run_export(ExportOptions(src=source, dst=destination, **options), seconds=seconds)
     except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
         return print_error(error, args.debug)
     print(report.summary())
@@ -98,5 +104,15 @@ def cleanup(uri: str, storage_options: dict) -> int:
     return 0
 
 
+def exit_without_teardown(code: int) -> None:
+    """Exit with `code` once every exit handler has run and the output is flushed, skipping
+    only the interpreter's teardown of its modules (torch and transformers' take 1-2 s)."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -48,10 +48,13 @@ def ray_address(s3_endpoint, request):
     """One local Ray instance for the session (started after the S3 variables are set, so its
     workers see them); CLI subprocesses join it through RAY_ADDRESS. It advertises no GPUs even
     on a GPU machine, so `--backend auto` means gloo here everywhere; the GPU cases start Ray
-    of their own (test_gpu_cluster.py, test_gpu.py). Where its logs are goes to the terminal."""
+    of their own (test_gpu_cluster.py, test_gpu.py). It starts as the command line starts its
+    own (`rayexport.session.local_ray_settings`). Where its logs are goes to the terminal."""
     import ray
 
-    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, logging_level="WARNING")
+    from rayexport.session import local_ray_settings
+
+    ray.init(num_cpus=8, num_gpus=0, **local_ray_settings("WARNING"))
     address = ray.get_runtime_context().gcs_address
     os.environ["RAY_ADDRESS"] = address
     node = ray._private.worker._global_node  # this process started the head: its processes are our children

@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("verification", ("rayexport.verification", "rayexport.verification.*")),
     ("orchestration", (
         "rayexport.options", "rayexport.placement", "rayexport.pool", "rayexport.spool", "rayexport.workers",
-        "rayexport.group", "rayexport.waits", "rayexport.nodes", "rayexport.export_plan", "rayexport.job",
+        "rayexport.group", "rayexport.waits", "rayexport.session", "rayexport.nodes", "rayexport.export_plan", "rayexport.job",
     )),
     ("entry points", (
         "rayexport", "rayexport.__main__", "rayexport.run", "rayexport.remote", "rayexport.watch",
