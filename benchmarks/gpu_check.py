@@ -33,7 +33,6 @@ from rayexport.group import WorkerGroup
 from rayexport.job import run_export
 from rayexport.options import ExportOptions
 from rayexport.placement import Devices
-from rayexport.verification.consumers import run_consumer_checks
 from rayexport.workers import ExportWorker
 
 MiB = 2**20
@@ -111,8 +110,8 @@ class ProcessActor:
 
 
 class ProcessWorkerGroup(WorkerGroup):
-    """The export's workers as local processes, one GPU each under NCCL; verification runs in
-    this process."""
+    """The export's workers as local processes, one GPU each under NCCL; the consumer checks
+    run in worker 0's process."""
 
     @classmethod
     def for_export(cls, options: ExportOptions, world_size: int, job_deadline: float) -> "ProcessWorkerGroup":
@@ -121,8 +120,8 @@ class ProcessWorkerGroup(WorkerGroup):
         return cls(size, Devices(options.backend, gpus, "gpu_check: local worker processes"), options, job_deadline)
 
     @staticmethod
-    def consumer_checks(destination, expected, options, job_deadline):
-        return run_consumer_checks(destination, expected, options.timeout_s, options.memory_bound_bytes)
+    def connect(options: ExportOptions) -> None:
+        """No Ray here: the workers are this machine's processes."""
 
     def start(self) -> None:
         nccl = self.devices.backend == "nccl"

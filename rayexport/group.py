@@ -1,6 +1,7 @@
 """The export's workers on Ray: their placement (bundles, waits, the backend `placement` picks),
 start (or a warm pool's idle group), every distributed step with fail-fast waits (one dead
-worker ends the export at once, see `rayexport.waits`), the consumer-check task, and removal."""
+worker ends the export at once, see `rayexport.waits`), the consumer checks on worker 0, and
+removal."""
 
 from __future__ import annotations
 
@@ -17,18 +18,19 @@ from rayexport.assembly import assemble
 from rayexport.dtypes import nbytes
 from rayexport.errors import ExportError
 from rayexport.layouts.base import Checkpoint, Loaded, Part
-from rayexport.nodes import ClusterNodes, ensure_ray
+from rayexport.levels import resolved, runs_checks
+from rayexport.nodes import ClusterNodes
 from rayexport.options import ExportOptions
 from rayexport.placement import (
-    Devices, NodePlacement, choose_devices, missing_resources, pin_writers, place_by_files, reading_node, worker_capacity,
+    Devices, NodePlacement, bundle_text, choose_devices, missing_resources, pin_writers, place_by_files, reading_node, worker_capacity,
 )
 from rayexport.plan.naming import TensorPlan, TensorPlanning
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import TransferPlan, group_by_bytes
 from rayexport.pool import IdleGroup, get_keeper, group_shape
+from rayexport.session import ensure_ray
 from rayexport.storage import Store
-from rayexport.verification.consumers import run_consumer_checks
-from rayexport.waits import all_succeed, cancel_unfinished, get_all, step_limit
+from rayexport.waits import all_succeed, get_all, step_limit
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.files import FileCheck
 from rayexport.workers import ExportWorker, WorkerStats
@@ -37,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # How long a failed export waits for the tasks that remove its spooled files on each node.
 SPOOL_CLEANUP_S = 30.0
+# Worker 0's thread for the consumer checks, so that they run while it checks its files.
+CHECKS_GROUP = "consumer-checks"
 # The LoRA halves the driver holds at once while the workers record merged pieces' digests.
 LORA_REFERENCE_BYTES = 64 << 20
 
@@ -44,10 +48,6 @@ LORA_REFERENCE_BYTES = 64 << 20
 def _adapter_bytes(plan: TensorPlan) -> int:
     """The bytes of a LoRA-merged weight's A and B, as saved."""
     return sum(nbytes(half.shape, half.source_dtype) for half in (plan.lora.a, plan.lora.b))
-
-
-def _bundle_text(bundle: dict[str, float]) -> str:
-    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in bundle.items()) + "}"
 
 
 @dataclass
@@ -68,13 +68,16 @@ class WorkerGroup:
     """The export's placement group and actors; `shutdown()` removes both, or with a warm pool
     (`options.pool`) hands a healthy group back to the pool for the next export."""
 
+    @staticmethod
+    def connect(options: ExportOptions) -> None:  # join the Ray cluster or start one (`rayexport.session`)
+        ensure_ray(options.log_level)
+
     @classmethod
     def for_export(cls, options: ExportOptions, world_size: int, job_deadline: float) -> "WorkerGroup":
-        """A group sized for the checkpoint and the cluster (joining or starting Ray), on the
-        devices `choose_devices` picks from what is free now; not started yet."""
+        """A group sized for the checkpoint and the cluster (joined already), on the devices
+        `choose_devices` picks from what is free now; not started yet."""
         import ray
 
-        ensure_ray(options)
         if options.workers is not None:
             size = min(options.workers, world_size)
         else:
@@ -87,22 +90,14 @@ class WorkerGroup:
         log.info("%d worker(s) over %s: %s", size, devices.backend, devices.reason)
         return cls(size, devices, options, job_deadline)
 
-    @staticmethod
-    def consumer_checks(
-        destination: Store, expected: ExpectedExport, options: ExportOptions, job_deadline: float
-    ) -> dict[str, dict[str, Any]]:
-        """Run the consumer checks (the reload, see `rayexport.verification.consumers`) on the
-        written export in a separate Ray task; each one's result by its name."""
-        import ray
+    def start_consumer_checks(self, destination: Store, expected: ExpectedExport) -> Any:
+        """Worker 0 (on a local destination's node) starts the consumer checks, each in a process
+        it started with the group, beside the file checks; `consumer_results` waits for them."""
+        call = self.actors[0].consumer_checks.options(concurrency_group=CHECKS_GROUP)
+        return call.remote(destination, expected, step_limit(self.options, self.job_deadline)[0], self.options.memory_bound_bytes)
 
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        task = ray.remote(num_cpus=1, max_retries=0)(run_consumer_checks)
-        if destination.node is not None:  # a local destination on one node of several: checked there
-            task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(destination.node, soft=False))
-        limit = step_limit(options, job_deadline)
-        reference = task.remote(destination, expected, limit[0], options.memory_bound_bytes)
-        return get_all([reference], limit, on_failure=lambda: cancel_unfinished([reference]))[0]
+    def consumer_results(self, started: Any) -> dict[str, dict[str, Any]]:
+        return self._get([started])[0]  # each consumer check's result by its name
 
     def __init__(self, size: int, devices: Devices, options: ExportOptions, job_deadline: float) -> None:
         self.job_deadline = job_deadline
@@ -129,6 +124,10 @@ class WorkerGroup:
         if self.nodes.pinned:
             shape += " on " + ",".join(node[:8] if node else "*" for node in self.nodes.worker_nodes)
         return shape
+
+    @property
+    def _verifies(self) -> bool:  # whether worker 0 starts the consumer checks' processes ahead
+        return runs_checks(resolved(self.options.verify))
 
     @property
     def _bundle(self) -> dict[str, float]:
@@ -163,11 +162,8 @@ class WorkerGroup:
 
     @property
     def writers_limit(self) -> int | None:
-        """How many workers may write (the first ones, pinned to a local destination's node);
-        None: any."""
-        if self.export_node is None:
-            return None
-        return sum(node == self.export_node for node in self.nodes.worker_nodes)
+        """How many workers may write (the first ones, pinned to a local destination's node); None: any."""
+        return None if self.export_node is None else sum(node == self.export_node for node in self.nodes.worker_nodes)
 
     def start(self) -> None:
         """Take an idle group from the warm pool if there is one of this shape, else start one:
@@ -180,7 +176,10 @@ class WorkerGroup:
             if idle is not None:
                 self.actors, self.placement_group = idle.actors, idle.placement_group
                 try:
-                    self._get([actor.reset.remote(self.export_id) for actor in self.actors])
+                    self._get([
+                        actor.reset.remote(self.export_id, checks=index == 0 and self._verifies)
+                        for index, actor in enumerate(self.actors)
+                    ])
                     self.reused = True
                     return
                 except ExportError as error:  # a pooled worker died while idle: start afresh
@@ -192,7 +191,7 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._place()
-        actor_class = ray.remote(ExportWorker)
+        actor_class = ray.remote(concurrency_groups={CHECKS_GROUP: 1})(ExportWorker)
         for index in range(self.size):
             self.actors.append(
                 actor_class.options(
@@ -205,7 +204,9 @@ class WorkerGroup:
                     ),
                 ).remote(index, self.size, self.options.log_level, self.export_id)
             )
-        host, port = self._get([self.actors[0].open_rendezvous.remote(self.options.timeout_s)])[0]
+        # worker 0 starts the reload's process first, so that its imports overlap all that follows
+        preparing = [self.actors[0].prepare_checks.remote()] if self._verifies else []
+        host, port = self._get(preparing + [self.actors[0].open_rendezvous.remote(self.options.timeout_s)])[-1]
         self._get([
             actor.join_group.remote(self.devices.backend, host, port, self.options.timeout_s) for actor in self.actors
         ])
@@ -233,7 +234,7 @@ class WorkerGroup:
             log.warning("%d worker(s) over gloo: %s", self.size, self.devices.reason)
             return self._place()
         raise ExportError(
-            f"the Ray cluster cannot place {self.size} worker(s) of {_bundle_text(bundle)} within {wait_s:.0f} s "
+            f"the Ray cluster cannot place {self.size} worker(s) of {bundle_text(bundle)} within {wait_s:.0f} s "
             f"(--placement-timeout): "
             + missing_resources(bundle, self.size, ray.available_resources(), ray.cluster_resources())
         )
@@ -345,7 +346,7 @@ class WorkerGroup:
 
         if graceful and self.keeper is not None and self.actors:
             with contextlib.suppress(ExportError):
-                self._get([actor.reset.remote() for actor in self.actors])
+                self._get([actor.reset.remote(checks=index == 0 and self._verifies) for index, actor in enumerate(self.actors)])
                 ray.get(self.keeper.give.remote(self.shape, IdleGroup(self.actors, self.placement_group)))
                 self.actors, self.placement_group = [], None
                 return

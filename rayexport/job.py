@@ -1,6 +1,6 @@
 """Orchestration: the export as its steps, around an `ExportPlan`: plan on the driver (while the
-workers start), load, plan the output, transfer, verify the files, run the consumer checks in a
-separate task, commit, report.
+workers start), load, plan the output, transfer, verify the files, run the consumer checks (on
+worker 0, each in a process it started with the group), commit, report; each phase timed.
 
 Any failure kills every actor, removes the placement group, and leaves DST without a manifest.
 """
@@ -54,6 +54,7 @@ class OutputPlan:
     """The export's tensors, dtype, files and the gather that writes them."""
 
     planning: TensorPlanning
+    converted: bool  # the checkpoint's tensors were renamed, split or merged into the format written
     untied: frozenset[str]  # tied aliases kept as tensors of their own (--untie)
     dtype: str | None
     dtype_reason: str
@@ -67,13 +68,17 @@ def export(src: str, dst: str, **options: Any) -> ExportReport:
     return run_export(ExportOptions(src=src, dst=dst, **options))
 
 
-def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = None) -> ExportReport:
+def run_export(
+    options: ExportOptions, group_type: type[WorkerGroup] | None = None, seconds: dict[str, float] | None = None,
+) -> ExportReport:
     """The whole export: plan, gather and write with Ray actors, verify, commit the manifest.
 
     `group_type` runs the workers and the verification some other way than on Ray (a
-    `WorkerGroup` subclass; benchmarks/gpu_check.py uses local processes)."""
+    `WorkerGroup` subclass; benchmarks/gpu_check.py uses local processes). `seconds` holds
+    what was timed before (the command line's imports and Ray start); the report's stages
+    continue it."""
     group_type = group_type or WorkerGroup
-    plan = plan_export(options)
+    plan = plan_export(options, seconds)
     if plan.existing is not None and not options.force:
         return _already_committed(plan)
     # The rest of planning runs in a thread while Ray, the actors and their process group
@@ -86,23 +91,25 @@ def run_export(options: ExportOptions, group_type: type[WorkerGroup] | None = No
             model = describing.result()
         source = _load(plan, group, model)
         output = _plan_output(plan, group, model, source)
-        expected, written, checks = _write_and_check(plan, group, model, source, output)
+        expected, written, checks, consumers = _write_and_check(plan, group, model, source, output)
+        with timed_stage(plan.seconds, "reload"):  # what is left of it once the file checks are done
+            verification = _with_consumer_checks(checks, group, consumers, expected)
     except BaseException:
         group.shutdown(graceful=False)  # a failed export's workers are removed, never pooled
         raise
-    group.shutdown()
-    with timed_stage(plan.seconds, "reload"):
-        verification = _with_consumer_checks(checks, group_type, plan, expected)
+    with timed_stage(plan.seconds, "shutdown"):
+        group.shutdown()
     # measurements, not properties of the export: the report has them, the manifest does not
     reload = verification.get("checks", {}).get("reload", {})
     reload_memory = reload.pop("peak_rss_bytes", None), reload.pop("startup_rss_bytes", None)
+    reload_process = {name: reload.pop(name) for name in ("started_at", "imports_s", "waited_s") if name in reload}
     manifest = build_manifest(
         source=plan.source.uri, layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size,
         options=options.recorded(), expected=expected.to_manifest(), verification=verification,
     )
     with timed_stage(plan.seconds, "commit"):
         commit(plan.destination, manifest)
-    return _report(plan, group, output, written, verification, reload_memory)
+    return _report(plan, group, output, written, verification, reload_memory, reload_process)
 
 
 def _load(plan: ExportPlan, group: WorkerGroup, model: ModelDescription) -> Source:
@@ -136,7 +143,8 @@ def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, 
         return plan_holdings(source.loaded.holders, model.formats, options.format, dtype, lora, source.base_infos, untied)
 
     planning, untied = _plan_ties(plan_tensors, group, options.untie)
-    if planning.naming != planning.format:
+    converted = model.formats.tiles(planning.naming, planning.format) is not None
+    if converted:
         log.info("converting the checkpoint's %s names to the %s format", planning.naming, planning.format)
     shard_files, split = plan_shard_files(planning.tensors, options.max_shard_size)
     adapter_files = [
@@ -151,15 +159,16 @@ def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, 
     transfer = plan_transfer(
         shard_files + adapter_files, by_name, source.loaded.worker_of_rank, group.size, options.bucket_size, writers
     )
-    return OutputPlan(planning, untied, dtype, dtype_reason, by_name, split, transfer)
+    return OutputPlan(planning, converted, untied, dtype, dtype_reason, by_name, split, transfer)
 
 
 def _write_and_check(
     plan: ExportPlan, group: WorkerGroup, model: ModelDescription, source: Source, output: OutputPlan
-) -> tuple[ExpectedExport, Transferred, dict[str, Any] | None]:
+) -> tuple[ExpectedExport, Transferred, dict[str, Any] | None, Any]:
     """Record the source pieces' digests, run the gather that writes every file, and have each
-    writer re-read what it wrote. Returns what the export must hold, what was written, and the
-    file checks' numbers (None with --verify none)."""
+    writer re-read what it wrote while worker 0 starts the consumer checks. Returns what the
+    export must hold, what was written, the file checks' numbers and the consumer checks' call
+    (both None with --verify none)."""
     options, planning = plan.options, output.planning
     level = resolved(options.verify)
     source_pieces = group.source_pieces(planning, source.loaded.worker_of_rank) if runs_checks(level) else {}
@@ -176,16 +185,17 @@ def _write_and_check(
         adapter=bool(planning.adapters), pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code,
         format=planning.format, source_finite=source.finite,
     )
+    consumers = group.start_consumer_checks(plan.destination, expected) if runs_checks(level) else None
     with timed_stage(plan.seconds, "verify_files") as moved:
         checks = verify_files(group, plan.destination, expected, written.worker_stats)
         moved["bytes"] = checks["files"]["bytes_read"] if checks else 0
     group.update_memory(written.worker_stats)  # the peaks, verification included
-    return expected, written, checks
+    return expected, written, checks, consumers
 
 
 def _report(
     plan: ExportPlan, group: WorkerGroup, output: OutputPlan, written: Transferred, verification: dict[str, Any],
-    reload_memory: tuple[int | None, int | None],
+    reload_memory: tuple[int | None, int | None], reload_process: dict[str, float],
 ) -> ExportReport:
     """The run's report: what was exported, how, and what it cost (stage seconds, bytes, memory)."""
     reload_peak, reload_start = reload_memory
@@ -194,7 +204,7 @@ def _report(
         source=plan.source.uri, destination=plan.destination.uri, manifest=plan.destination.display(MANIFEST_NAME),
         layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size, workers=group.size,
         backend=group.devices.backend, backend_reason=group.devices.reason,
-        naming=output.planning.naming, format=output.planning.format, dtype=output.dtype, dtype_reason=output.dtype_reason,
+        naming=output.planning.naming, format=output.planning.format, converted=output.converted, dtype=output.dtype, dtype_reason=output.dtype_reason,
         tensor_count=len(output.by_name), seconds=plan.seconds,
         bytes={
             "read": sum(stats.bytes_read for stats in written.worker_stats),
@@ -215,7 +225,7 @@ def _report(
         },
         files_by_worker={worker: stats.files_written for worker, stats in by_worker.items()},
         placement={worker: {"node": stats.node, "pid": stats.pid, "device": stats.device} for worker, stats in by_worker.items()},
-        warm_start=group.reused, files=written.files, verification=verification, skipped=list(plan.checkpoint.skipped),
+        warm_start=group.reused, reload_process=reload_process, files=written.files, verification=verification, skipped=list(plan.checkpoint.skipped),
         export_node=plan.cluster.labels[plan.export_node] if plan.export_node else None,
     )
 
@@ -255,6 +265,11 @@ def _start_group(group_type: type[WorkerGroup], plan: ExportPlan, describing: Fu
     """Size and start the worker group; on failure, remove whatever of it had started (and
     report the start's error, not the planning thread's)."""
     try:
+        if "ray_start" in plan.seconds:  # the command line started it, or joined, already
+            group_type.connect(plan.options)
+        else:
+            with timed_stage(plan.seconds, "ray_start"):
+                group_type.connect(plan.options)
         group = group_type.for_export(plan.options, plan.checkpoint.world_size, plan.job_deadline)
         if plan.cluster is not None:
             group.place_on_nodes(plan.checkpoint, plan.cluster, plan.export_node)
@@ -319,13 +334,13 @@ def verify_files(
 
 
 def _with_consumer_checks(
-    checks: dict[str, Any] | None, group_type: type[WorkerGroup], plan: ExportPlan, expected: ExpectedExport
+    checks: dict[str, Any] | None, group: WorkerGroup, consumers: Any, expected: ExpectedExport
 ) -> dict[str, Any]:
     """The verification's outcome: the file checks' numbers and each consumer check's (none
-    run without file checks, with `--verify none`)."""
+    run without file checks, with `--verify none`). A file check's failure was raised first."""
     results = {}
-    if checks is not None:
-        results = group_type.consumer_checks(plan.destination, expected, plan.options, plan.job_deadline)
+    if consumers is not None:
+        results = group.consumer_results(consumers)
     for warning in consumer_warnings(results):
         log.warning("verification: %s", warning)
     return verification_outcome(expected.level, checks, results)

@@ -37,6 +37,7 @@ from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
 from rayexport.plan.schedule import TransferPlan
 from rayexport.scan import max_abs_difference
 from rayexport.storage import Store
+from rayexport.verification.consumers import discard_prepared, prepare_consumer_checks, run_consumer_checks
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.files import FileCheck, check_files
 from rayexport.writer import WrittenFile, tensor_bytes, write_index, write_shards
@@ -125,6 +126,19 @@ class ExportWorker:
         self.bytes_read = 0
         self.earlier_peak_rss = 0
         self.resident_before_load: int | None = None
+        self.prepared_checks: dict[str, Any] = {}
+
+    def prepare_checks(self) -> None:
+        """Worker 0: start what the consumer checks start ahead (the reload's process), so that
+        their imports overlap the export, or, in a warm pool, are done before it starts."""
+        if not self.prepared_checks:
+            self.prepared_checks = prepare_consumer_checks()
+
+    def consumer_checks(self, destination: Store, expected: ExpectedExport, timeout_s: float, memory_bound_bytes: int) -> dict:
+        """Worker 0: run the consumer checks on the written export (each in a process of its
+        own, see `rayexport.verification.consumers`), with what `prepare_checks` started."""
+        prepared, self.prepared_checks = self.prepared_checks, {}
+        return run_consumer_checks(destination, expected, timeout_s, memory_bound_bytes, prepared=prepared)
 
     def open_rendezvous(self, timeout_s: float, host: str | None = None) -> tuple[str, int]:
         """Worker 0 only: open the process group's store on `host` (default: this Ray node's
@@ -277,10 +291,13 @@ class ExportWorker:
         """Give back the pages of the mapped rank files read so far (they stay cached)."""
         release_pages(self.mapped)
 
-    def reset(self, export_id: str | None = None) -> None:
+    def reset(self, export_id: str | None = None, checks: bool = False) -> None:
         """Forget the last export (a pooled worker waiting for the next one): its tensors, mapped
         files, counters and spooled files; given the next export's id, start that export's spool
-        folder. The process group stays."""
+        folder; with `checks`, have the consumer checks' processes ready (`prepare_checks`).
+        The process group stays."""
+        if checks:
+            self.prepare_checks()
         self.states.clear()
         self.mapped = []
         self.bytes_read = 0
@@ -293,6 +310,7 @@ class ExportWorker:
 
     def close(self) -> None:
         transport.leave_group()
+        discard_prepared(self.prepared_checks)
         self.states.clear()
         self._drop_spool()
 

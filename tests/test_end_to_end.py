@@ -37,6 +37,7 @@ def test_tied_model_s3_to_s3_matches_original(checkpoints, s3_checkpoints, s3_pr
     report, local, reloaded = export_and_reload(s3_checkpoints["tied"], s3_prefix, tmp_path, fresh_process=True)
     assert report["world_size"] == 3 and report["workers"] == 2 and report["backend"] == "gloo"
     assert report["verification"]["passed"] is True
+    assert report["reload_process"]["imports_s"] > 0  # worker 0 started it with the group
     torch.testing.assert_close(reloaded["logits"], checkpoints["tied"].logits, rtol=1e-5, atol=1e-6)
     assert reloaded["shared"] is True
     keys = weight_keys(local)
@@ -57,6 +58,7 @@ def test_untied_model_keeps_its_head(checkpoints, s3_checkpoints, s3_prefix, tmp
 
 def test_hsdp_mesh_reads_one_replica(checkpoints, s3_checkpoints, s3_prefix, tmp_path):
     report, _, reloaded = export_and_reload(s3_checkpoints["hsdp"], s3_prefix, tmp_path, "--verify", "none")
+    assert report["reload_process"] == {}  # nothing verifies: no reload process was started
     torch.testing.assert_close(reloaded["logits"], checkpoints["hsdp"].logits, rtol=1e-5, atol=1e-6)
     # ranks 2 and 3 hold the second "ddp" replica, identical to ranks 0 and 1: never read
     first_replica = sum(os.path.getsize(f"{checkpoints['hsdp'].path}/model_world_size_4_rank_{rank}.pt") for rank in (0, 1))

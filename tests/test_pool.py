@@ -22,7 +22,12 @@ def test_a_warm_pool_reuses_its_workers_until_closed(checkpoints, ray_address, t
         first = export(checkpoints["tied"].path, str(tmp_path / "first"), workers=2, verify="none", pool=POOL)
         second = ray.get(export_remote(checkpoints["untied"].path, str(tmp_path / "second"), workers=2,
                                        verify="quick", pool=POOL), timeout=600)
-        assert not first.warm_start and second.warm_start
+        asked = time.time()
+        third = export(checkpoints["tied"].path, str(tmp_path / "third"), workers=2, verify="quick", pool=POOL)
+        assert not first.warm_start and second.warm_start and third.warm_start
+        # the pool readied the reload's process when the second export ended, not when the third began
+        assert third.reload_process["started_at"] < asked
+        assert first.reload_process == {}  # --verify none starts none
         pids = {where["pid"] for where in first.placement.values()}
         assert {where["pid"] for where in second.placement.values()} == pids  # the same processes
         assert pids <= _export_worker_pids()  # idle in the pool, not removed

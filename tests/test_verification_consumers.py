@@ -6,7 +6,7 @@ from __future__ import annotations
 from rayexport.levels import FULL, NONE, QUICK
 from rayexport.storage import Store
 from rayexport.verification.consumers import (
-    CONSUMER_CHECKS, ConsumerCheck, TransformersReload, consumer_warnings, run_consumer_checks,
+    CONSUMER_CHECKS, ConsumerCheck, TransformersReload, consumer_warnings, prepare_consumer_checks, run_consumer_checks,
 )
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.outcome import verification_outcome
@@ -23,8 +23,26 @@ class Recorded(ConsumerCheck):
     def runs_at(self, level: str) -> bool:
         return level in self.levels
 
-    def run(self, destination, expected, timeout_s, memory_bound_bytes):
+    def run(self, destination, expected, timeout_s, memory_bound_bytes, prepared=None):
         return {"consumer": self.name, "level": expected.level, "timeout_s": timeout_s, "bound": memory_bound_bytes}
+
+
+class Prepared(Recorded):
+    """A consumer that starts something ahead (`prepare`): what its run was handed, and which
+    of its prepared things were ended unused."""
+
+    def __init__(self, name: str, levels: set[str]) -> None:
+        super().__init__(name, levels)
+        self.discarded: list[str] = []
+
+    def prepare(self):
+        return f"{self.name}'s process"
+
+    def discard(self, prepared) -> None:
+        self.discarded.append(prepared)
+
+    def run(self, destination, expected, timeout_s, memory_bound_bytes, prepared=None):
+        return {"prepared": prepared}
 
 
 def test_each_consumer_result_is_under_its_name_and_one_that_does_not_run_is_absent(tmp_path):
@@ -37,6 +55,17 @@ def test_each_consumer_result_is_under_its_name_and_one_that_does_not_run_is_abs
             "passed": True, "level": level,
             "checks": {**FILE_CHECKS, **{name: {"consumer": name, "level": level, "timeout_s": 60, "bound": 1024} for name in names}},
         }
+
+
+def test_a_check_runs_with_what_it_prepared_and_what_no_check_ran_with_is_ended(tmp_path):
+    checks = [Prepared("reload", {FULL, QUICK}), Prepared("vllm", {FULL})]
+    prepared = prepare_consumer_checks(checks)
+    assert prepared == {"reload": "reload's process", "vllm": "vllm's process"}
+    expected = ExpectedExport(files={}, tensors={}, level=QUICK)
+    results = run_consumer_checks(Store(str(tmp_path)), expected, 60, 1024, checks, prepared)
+    assert results == {"reload": {"prepared": "reload's process"}}  # vllm does not run at quick...
+    assert checks[1].discarded == ["vllm's process"] and checks[0].discarded == []  # ...and its process is ended
+    assert run_consumer_checks(Store(str(tmp_path)), expected, 60, 1024, checks) == {"reload": {"prepared": None}}
 
 
 def test_without_file_checks_the_outcome_says_nothing_was_checked():

@@ -14,7 +14,7 @@ import pytest
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
-from rayexport.verification.reload.parent import check_reload, tensor_table
+from rayexport.verification.reload.parent import ReloadProcess, check_reload, tensor_table
 
 from support.helpers import upload
 from support.models import LORA
@@ -215,6 +215,36 @@ def test_quick_compares_the_headers_only(broken):
         handle.write(b"\xff" * (entry["end"] - entry["start"]))
     result = check_reload(Store(broken), expected(tied=TIED, level="quick"), TIMEOUT_S, BOUND)
     assert result["mode"] == "keys-only" and result["missing_keys"] == [] and result["logits_finite"] is None
+
+
+def test_a_process_started_ahead_checks_as_one_started_for_the_check_and_is_used_up(tied_export, monkeypatch):
+    """The reload's process started before the export is written (its imports done while it
+    waits) gives the same result as one started for the check, from an environment without the
+    credentials the parent had when it started it; after the check it is gone, folder and all."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "must-not-reach-the-child")
+    process = ReloadProcess()
+    assert "AWS_SECRET_ACCESS_KEY" not in process_environment(process.process.pid)
+    ahead = check_reload(Store(tied_export), expected(tied=TIED), TIMEOUT_S, LARGE, process)
+    now = check_reload(Store(tied_export), expected(tied=TIED), TIMEOUT_S, LARGE)
+    timing = ("started_at", "imports_s", "waited_s", "startup_rss_bytes", "peak_rss_bytes")
+    assert {key: value for key, value in ahead.items() if key not in timing} == {key: value for key, value in now.items() if key not in timing}
+    assert ahead["imports_s"] > 0 and ahead["waited_s"] >= 0
+    assert process.process.poll() == 0 and not os.path.exists(process.scratch)
+
+
+def test_a_process_started_ahead_ends_when_its_parent_goes_away_without_a_check():
+    """A worker that dies, or ends without a check for its process, closes the channel: the
+    child, once its imports are done, exits on its own rather than waiting for ever."""
+    process = ReloadProcess()
+    process.process.stdin.close()
+    assert process.process.wait(timeout=TIMEOUT_S) == 0
+    process.close()
+    assert not os.path.exists(process.scratch)
+
+
+def process_environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        return dict(item.split("=", 1) for item in handle.read().decode().split("\0") if "=" in item)
 
 
 @pytest.mark.parametrize("version, argument", [

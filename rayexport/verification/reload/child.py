@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -21,7 +22,7 @@ from rayexport.verification.reload.probes import (
     build_skeleton, key_differences, model_formats_of, probe, table_shapes, untied_pairs,
 )
 from rayexport.verification.reload.protocol import (
-    KEYS_ONLY, LOADED_IN_MEMORY, MODES, parent_reader, private_channel, send_result,
+    KEYS_ONLY, LOADED_IN_MEMORY, MODES, WAIT_FOR_ARGUMENTS, parent_reader, private_channel, read_arguments, send_result,
 )
 from rayexport.verification.reload.streamed import file_reader, stream_and_probe
 
@@ -117,7 +118,7 @@ def _adapter_missing(model: torch.nn.Module, adapter: str) -> list[str]:
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    """The reload process's command line (`parent.child_command` writes it)."""
+    """The reload process's command line (`parent.child_arguments` writes it)."""
     parser = argparse.ArgumentParser(prog="python -m rayexport.verification.reload.child")
     parser.add_argument("path", help="the export's folder (its small files at least)")
     parser.add_argument("--tensors", required=True, help="JSON: each tensor's file, dtype, shape and byte range")
@@ -132,13 +133,20 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the reload the command line asks for and send its result to the parent."""
+    """Run the reload the command line asks for (with WAIT_FOR_ARGUMENTS: the one the parent
+    sends once the imports are done) and send its result to the parent."""
     requests, answers = private_channel()
-    args = parse_arguments(argv)
     import accelerate.hooks  # noqa: F401 - the libraries every mode needs count as start-up, not as the reload
     import transformers.modeling_utils  # noqa: F401
 
-    startup = rss_bytes()
+    startup, ready_at = rss_bytes(), time.time()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == [WAIT_FOR_ARGUMENTS]:
+        argv = read_arguments(answers)
+        if argv is None:
+            return 0
+    asked_at = time.time()
+    args = parse_arguments(argv)
     tied = [tuple(item.split("=", 1)) for item in args.tied]
     with open(args.tensors) as handle:
         table = json.load(handle)
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     result.setdefault("mode", args.mode)
     result.update(load_tokenizer(args.path, args.trust_remote_code))
     peak = peak_rss_bytes()
-    result.update(startup_rss_bytes=startup, peak_rss_bytes=peak)
+    result.update(startup_rss_bytes=startup, peak_rss_bytes=peak, ready_at=ready_at, asked_at=asked_at)
     send_result(requests, result)
     return 0
 

@@ -1,17 +1,20 @@
-"""The reload's parent side: the export's tensor table, the mode, the folder the child reads,
-running the child without credentials while answering its tensor requests, and what its result
-says (see the package's docstring)."""
+"""The reload's parent side: the child process (started ahead, without credentials), the
+export's tensor table, the mode, the folder the child reads, answering its tensor requests, and
+what its result says (see the package's docstring)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 from rayexport.dtypes import TORCH_NAME_OF_CODE
@@ -23,7 +26,7 @@ from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.reading import read_header
 from rayexport.verification.reload.protocol import (
-    KEY_FIELDS, KEYS_ONLY, LOADED_IN_MEMORY, STREAMED, TensorServer, converse,
+    KEY_FIELDS, KEYS_ONLY, LOADED_IN_MEMORY, STREAMED, WAIT_FOR_ARGUMENTS, TensorServer, converse,
 )
 from rayexport.verification.structure import index_shards
 
@@ -31,29 +34,96 @@ from rayexport.verification.structure import index_shards
 SECRET_ENV = re.compile(r"^(AWS_|GOOGLE_|AZURE_|GCS_|S3_|HF_TOKEN|HUGGING_FACE_HUB_TOKEN)")
 TABLE_FILE = "tensors.json"
 CHILD_MODULE = "rayexport.verification.reload.child"
+# The child imports torch and transformers while the export's workers read and gather: at a
+# lower priority, it takes the CPU time they leave (its check runs once they are done).
+IMPORT_NICENESS = 10
 
 
-def check_reload(destination: Store, expected: ExpectedExport, timeout_s: float, memory_bound_bytes: int) -> dict[str, Any]:
-    """transformers loads the export at `destination` in a clean process: no missing or
-    unexpected keys, tied tensors share memory, a forward pass gives finite logits, peft loads
-    the adapter and AutoTokenizer the tokenizer. With `quick`, only the keys and shapes are
-    compared with the model built on the meta device (the tokenizer still loads). The export is
-    never copied whole: see the package's docstring for the modes; `mode` in the result says
-    which ran (with `reason` when the streamed reload declined), `startup_rss_bytes` and
-    `peak_rss_bytes` the child's memory after its imports and at its peak."""
-    table = tensor_table(destination)
-    mode = reload_mode(expected.level, sum(entry["end"] - entry["start"] for entry in table.values()), memory_bound_bytes)
-    env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
-    with tempfile.TemporaryDirectory(prefix="rayexport-reload-") as scratch:
-        modules = os.path.join(scratch, "modules")
+class ReloadProcess:
+    """The reload's child, started ahead of the check it runs: without storage credentials, with
+    an empty module cache of its own, its imports (torch, transformers) done while the export is
+    still being written; it then waits for its command line on the channel. One check each."""
+
+    def __init__(self) -> None:
+        self.scratch = tempfile.mkdtemp(prefix="rayexport-reload-")
+        modules = os.path.join(self.scratch, "modules")
         os.mkdir(modules)
+        env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
         env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self.errors = tempfile.TemporaryFile()
+        self.started_at = time.time()
+        self.process = subprocess.Popen(
+            ["nice", "-n", str(IMPORT_NICENESS), sys.executable, "-m", CHILD_MODULE, WAIT_FOR_ARGUMENTS], env=env, cwd=modules,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
+        )
+
+    def run(self, arguments: list[str], timeout_s: float, server: TensorServer) -> dict[str, Any]:
+        """Hand the child its command line and answer its tensor requests until it reports its
+        result; VerificationError when it fails or outlives `timeout_s` from now. The result
+        gains `imports_s` (the child's start to its imports done) and `waited_s` (how long it
+        was ready before the check came: its imports were off the export's path)."""
+        expired = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: (expired.set(), self.process.kill()))
+        timer.start()
+        try:
+            self.process.stdin.write(json.dumps(arguments).encode() + b"\n")
+            self.process.stdin.flush()
+            result = converse(self.process, server)
+            self.process.wait()
+        except BrokenPipeError:
+            result = None  # the child died before its command line; its stderr says why
+        finally:
+            timer.cancel()
+            if self.process.poll() is None:
+                self.process.kill()
+        if expired.is_set():
+            raise VerificationError(f"reload: transformers did not load the export in {timeout_s:.0f} s")
+        if self.process.wait() != 0 or result is None:
+            self.errors.seek(0)
+            lines = [line for line in self.errors.read().decode(errors="replace").splitlines() if line.strip()]
+            raise VerificationError(f"reload: transformers cannot load the export: {lines[-1] if lines else 'no output'}")
+        ready_at, asked_at = result.pop("ready_at"), result.pop("asked_at")
+        return {
+            **result, "started_at": self.started_at, "imports_s": round(ready_at - self.started_at, 3),
+            "waited_s": round(max(0.0, asked_at - ready_at), 3),
+        }
+
+    def close(self) -> None:
+        """End the child if it still runs and remove its scratch folder."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout, self.errors):
+            with contextlib.suppress(OSError):
+                pipe.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def check_reload(
+    destination: Store, expected: ExpectedExport, timeout_s: float, memory_bound_bytes: int,
+    process: ReloadProcess | None = None,
+) -> dict[str, Any]:
+    """transformers loads the export at `destination` in a clean process (`process`, started
+    ahead, or one started now): no missing or unexpected keys, tied tensors share memory, a
+    forward pass gives finite logits, peft loads the adapter and AutoTokenizer the tokenizer.
+    With `quick`, only the keys and shapes are compared with the model built on the meta device
+    (the tokenizer still loads). The export is never copied whole: see the package's docstring
+    for the modes; `mode` in the result says which ran (with `reason` when the streamed reload
+    declined), `startup_rss_bytes` and `peak_rss_bytes` the child's memory after its imports
+    and at its peak. The process is used up either way."""
+    process = process or ReloadProcess()
+    try:
+        table = tensor_table(destination)
+        mode = reload_mode(expected.level, sum(entry["end"] - entry["start"] for entry in table.values()), memory_bound_bytes)
         shards = {entry["file"] for entry in table.values()} if mode != LOADED_IN_MEMORY else set()
-        folder = stage_export(destination, shards, os.path.join(scratch, "export"))
-        with open(os.path.join(scratch, TABLE_FILE), "w") as handle:
+        folder = stage_export(destination, shards, os.path.join(process.scratch, "export"))
+        table_path = os.path.join(process.scratch, TABLE_FILE)
+        with open(table_path, "w") as handle:
             json.dump(table, handle)
-        command = child_command(folder, os.path.join(scratch, TABLE_FILE), mode, expected, memory_bound_bytes, not destination.is_local)
-        result = run_child(command, env, modules, timeout_s, TensorServer(destination, table))
+        arguments = child_arguments(folder, table_path, mode, expected, memory_bound_bytes, not destination.is_local)
+        result = process.run(arguments, timeout_s, TensorServer(destination, table))
+    finally:
+        process.close()
     return checked(result, expected)
 
 
@@ -102,44 +172,17 @@ def export_files(store: Store) -> list[str]:
     return sorted(posixpath.relpath(path, store.path()) for path in store.fs.find(store.path()))
 
 
-def child_command(
+def child_arguments(
     folder: str, table_path: str, mode: str, expected: ExpectedExport, memory_bound_bytes: int, from_parent: bool
 ) -> list[str]:
-    """The command line of the reload process."""
-    command = [
-        sys.executable, "-m", CHILD_MODULE, folder, "--tensors", table_path, "--mode", mode,
-        "--format", expected.format, "--memory-bound", str(memory_bound_bytes),
-    ]
-    command += ["--trust-remote-code"] if expected.trust_remote_code else []
-    command += ["--from-parent"] if from_parent else []
+    """The reload process's command line, after its module name."""
+    arguments = [folder, "--tensors", table_path, "--mode", mode, "--format", expected.format, "--memory-bound", str(memory_bound_bytes)]
+    arguments += ["--trust-remote-code"] if expected.trust_remote_code else []
+    arguments += ["--from-parent"] if from_parent else []
     for canonical, alias in expected.tied:
-        command += ["--tied", f"{canonical}={alias}"]
-    command += ["--adapter", os.path.join(folder, ADAPTER_DIR)] if expected.adapter and mode != KEYS_ONLY else []
-    return command
-
-
-def run_child(command: list[str], env: dict[str, str], cwd: str, timeout_s: float, server: TensorServer) -> dict[str, Any]:
-    """Run the reload process, answering its tensor requests, until it reports its result;
-    VerificationError when it fails or outlives `timeout_s`."""
-    with tempfile.TemporaryFile() as errors:
-        expired = threading.Event()
-        with subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors) as process:
-            timer = threading.Timer(timeout_s, lambda: (expired.set(), process.kill()))
-            timer.start()
-            try:
-                result = converse(process, server)
-                process.wait()
-            finally:
-                timer.cancel()
-                if process.poll() is None:
-                    process.kill()
-        if expired.is_set():
-            raise VerificationError(f"reload: transformers did not load the export in {timeout_s:.0f} s")
-        if process.returncode != 0 or result is None:
-            errors.seek(0)
-            lines = [line for line in errors.read().decode(errors="replace").splitlines() if line.strip()]
-            raise VerificationError(f"reload: transformers cannot load the export: {lines[-1] if lines else 'no output'}")
-    return result
+        arguments += ["--tied", f"{canonical}={alias}"]
+    arguments += ["--adapter", os.path.join(folder, ADAPTER_DIR)] if expected.adapter and mode != KEYS_ONLY else []
+    return arguments
 
 
 def checked(result: dict[str, Any], expected: ExpectedExport) -> dict[str, Any]:

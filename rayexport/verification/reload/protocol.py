@@ -21,6 +21,9 @@ LOADED_IN_MEMORY = "in-memory"
 STREAMED = "streamed"
 MODES = (KEYS_ONLY, LOADED_IN_MEMORY, STREAMED)
 KEY_FIELDS = ("missing_keys", "unexpected_keys", "mismatched_keys")
+# The child's only argument when it is started ahead of its check: it reads its command line,
+# a JSON list, as the channel's first line.
+WAIT_FOR_ARGUMENTS = "--wait-for-arguments"
 
 
 # ---------------------------------------------------------------- the parent's end
@@ -106,6 +109,13 @@ def parent_reader(requests: IO[bytes], answers: IO[bytes]) -> Callable[[str], mm
         return read_exactly(answers, header["bytes"], f"tensor '{name}' from the parent")
 
     return read
+
+
+def read_arguments(answers: IO[bytes]) -> list[str] | None:
+    """The command line the parent sends a child started ahead of its check; None when the
+    parent closed the channel first (it had no check for this process)."""
+    line = answers.readline()
+    return json.loads(line) if line else None
 
 
 def send_result(requests: IO[bytes], result: dict[str, Any]) -> None:
