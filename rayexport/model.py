@@ -3,6 +3,7 @@ names, shapes and ties of its tensors, learnt on the meta device (no weights, no
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -168,10 +169,19 @@ class ModelDescription:
     fan_in_fan_out: frozenset[str]  # weights stored transposed (Conv1D), for LoRA merges
 
 
+# Descriptions already derived in this process, by `_folder_key`: an export of a later
+# checkpoint of the same model (a watcher, `export_remote` from a training loop) skips building
+# the meta model and tracing its conversion again.
+_DESCRIBED: dict[str, "ModelDescription"] = {}
+_DESCRIBED_LIMIT = 8
+
+
 def describe_model(hf_store: Store, base_model: Store | None, trust_remote_code: bool) -> ModelDescription:
     """Config, meta-model names/shapes and tie aliases, and every file the export carries
     (tokenizer, generation config, remote code), from the checkpoint's HF folder. Remote code
-    the folder lacks comes from the base model folder, else from the model's class module."""
+    the folder lacks comes from the base model folder, else from the model's class module.
+    A folder whose files are byte for byte those of one described before is described again
+    from memory."""
     with tempfile.TemporaryDirectory(prefix="rayexport-hf-") as local:
         names = fetch_hf_folder(hf_store, local)
         with open(os.path.join(local, "config.json"), "rb") as handle:
@@ -184,6 +194,9 @@ def describe_model(hf_store: Store, base_model: Store | None, trust_remote_code:
                 if name in available:
                     with open(os.path.join(local, name), "wb") as handle:
                         handle.write(base_model.read_bytes(name))
+        key = _folder_key(local, trust_remote_code)
+        if key in _DESCRIBED:
+            return _DESCRIBED[key]
         config = load_config(local, raw_config, trust_remote_code)
         meta_model = build_meta_model(config, trust_remote_code)
         if any(not os.path.exists(os.path.join(local, name)) for name in code_files):
@@ -191,19 +204,37 @@ def describe_model(hf_store: Store, base_model: Store | None, trust_remote_code:
         for name in code_files:
             if not os.path.exists(os.path.join(local, name)):
                 raise ExportError(f"config.json's auto_map needs {name}, which is neither in '{hf_store.uri}' nor bundled")
-        carried = {}
-        for folder, _, files in os.walk(local):
-            for file in files:
-                path = os.path.join(folder, file)
-                with open(path, "rb") as handle:
-                    carried[os.path.relpath(path, local)] = handle.read()
-    return ModelDescription(
+        carried = _folder_files(local)
+    description = ModelDescription(
         carried=carried,
         config=saved_config(config, raw_config),
         config_dtype=config_dtype(config),
         formats=model_formats(meta_model, expected_tensors(meta_model), find_tie_aliases(meta_model)),
         fan_in_fan_out=fan_in_fan_out_weights(meta_model),
     )
+    if len(_DESCRIBED) >= _DESCRIBED_LIMIT:
+        _DESCRIBED.pop(next(iter(_DESCRIBED)))
+    _DESCRIBED[key] = description
+    return description
+
+
+def _folder_files(local: str) -> dict[str, bytes]:
+    """Every file under the folder `local`, by its path relative to it."""
+    files = {}
+    for folder, _, names in os.walk(local):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as handle:
+                files[os.path.relpath(path, local)] = handle.read()
+    return files
+
+
+def _folder_key(local: str, trust_remote_code: bool) -> str:
+    """What a description is derived from: every file's path and bytes, and whether remote code runs."""
+    digest = hashlib.sha256(b"remote code" if trust_remote_code else b"")
+    for name, data in sorted(_folder_files(local).items()):
+        digest.update(hashlib.sha256(name.encode()).digest() + hashlib.sha256(data).digest())
+    return digest.hexdigest()
 
 
 def _parse_json(data: bytes, uri: str) -> dict:

@@ -136,3 +136,23 @@ def test_an_untied_export_of_a_vlm_loads_untied_in_the_written_dtype(tmp_path):
     assert loaded.get_text_config().tie_word_embeddings is False
     assert loaded.dtype == torch.bfloat16
     assert exported_config(saved, "bfloat16")["text_config"]["tie_word_embeddings"] is True  # tied unless asked
+
+
+def test_a_folder_described_before_is_described_again_from_memory_until_a_file_changes(tmp_path, monkeypatch):
+    """Exports of later checkpoints of one model (a watcher, export_remote after each save)
+    skip building the meta model again; any changed byte of the folder builds it afresh."""
+    import rayexport.model as model
+
+    from support.models import write_hf_folder
+
+    folder = tmp_path / "hf"
+    write_hf_folder(tiny_config("qwen2-tied"), str(folder))
+    builds = []
+    monkeypatch.setattr(model, "build_meta_model", lambda *args: builds.append(args) or build_meta_model(*args))
+    first = model.describe_model(Store(str(folder)), None, False)
+    again = model.describe_model(Store(str(folder)), None, False)
+    assert again is first and len(builds) == 1
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 17}))
+    changed = model.describe_model(Store(str(folder)), None, False)
+    assert len(builds) == 2 and changed.carried["tokenizer_config.json"] == b'{"model_max_length": 17}'
+    assert changed.formats == first.formats

@@ -283,8 +283,8 @@ def choose_dtype(requested: str, config_dtype: str | None) -> tuple[str, str]:
         return config_dtype, f"config.json's dtype {config_dtype}"
     said = "says float32" if config_dtype else "names no dtype (transformers reads float32)"
     return "bfloat16", (
-        f"config.json {said}, the dtype training keeps master weights in; models are published in "
-        f"bfloat16 (--dtype float32 keeps float32)"
+        f"config.json {said}, the dtype training keeps master weights in, and models are published in "
+        f"bfloat16; --dtype float32 keeps float32"
     )
 
 
