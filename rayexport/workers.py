@@ -26,6 +26,7 @@ from rayexport import spool, transport
 from rayexport.assembly import piece_tensor
 from rayexport.dtypes import dtype_of
 from rayexport.errors import ExportError
+from rayexport.layouts import registry  # noqa: F401 - each layout's Checkpoint arrives pickled: imported at start, not in a load
 from rayexport.layouts.base import Checkpoint, Part
 from rayexport.layouts.mapped import release_pages
 from rayexport.layouts.shards import ShardInfo, local_tensor

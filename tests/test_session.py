@@ -27,6 +27,9 @@ def test_idle_processes_are_kept_while_the_export_holds_every_cpu():
 
 
 def test_a_process_of_the_session_ray_has_imported_the_worker_module_before_it_runs_anything(ray_address):
-    # eval is a builtin: running it in a worker imports nothing of this test's modules
-    in_worker = ray.remote(num_cpus=0)(eval)
-    assert ray.get(in_worker.remote(f"__import__('sys').modules.__contains__('{WORKER_MODULE}')"))
+    # defined in a module of its own name ("__main__"), the function travels by value: running
+    # it in a worker imports nothing of this test's modules
+    namespace = {"__name__": "__main__"}
+    exec("def imported(name):\n    import sys\n    return name in sys.modules", namespace)
+    assert ray.get(ray.remote(num_cpus=0)(namespace["imported"]).remote(WORKER_MODULE))
+    assert not ray.get(ray.remote(num_cpus=0)(namespace["imported"]).remote("rayexport.no_such_module"))
