@@ -84,6 +84,12 @@ class ProcessActor:
                     actor.connection.send((actor.next_id, name, args))
                 return future
 
+            @staticmethod
+            def options(**_ignored):
+                # a process answers one call at a time, so a Ray concurrency group has no
+                # meaning here: the consumer checks run before worker 0's file checks
+                return _Method
+
         return _Method
 
     def _answers(self) -> None:
@@ -126,6 +132,8 @@ class ProcessWorkerGroup(WorkerGroup):
     def start(self) -> None:
         nccl = self.devices.backend == "nccl"
         self.actors = [ProcessActor(index, self.size, str(index) if nccl else None) for index in range(self.size)]
+        if self._verifies:  # the reload's process starts first, as on Ray
+            self._get([self.actors[0].prepare_checks.remote()])
         host, port = self._get([self.actors[0].open_rendezvous.remote(self.options.timeout_s, "127.0.0.1")])[0]
         self._get([actor.join_group.remote(self.devices.backend, host, port, self.options.timeout_s) for actor in self.actors])
 
