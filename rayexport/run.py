@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--src and --dst are required (or --demo, or --cleanup DST)")
     if args.demo:
         options["workers"] = options["workers"] or 2
+    elif (missing := missing_local_source(source)) is not None:
+        return print_error(ExportError(missing), args.debug)
     seconds: dict[str, float] = {}
     try:
         with command_line_session(options["log_level"], seconds):
@@ -73,6 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.report, "w") as handle:
             handle.write(report.to_json())
     return 0
+
+
+def missing_local_source(source: str) -> str | None:
+    """The error for a local `--src` (a path or file://) that does not exist, found before Ray's
+    start (seconds) rather than by the reader after it; None for anything else, which the
+    readers check."""
+    path = source.removeprefix("file://")
+    if "://" in path or os.path.exists(path):
+        return None
+    return f"source '{source}' does not exist"
 
 
 def watch_command(args: argparse.Namespace, options: dict) -> int:

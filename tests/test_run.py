@@ -56,6 +56,21 @@ def test_missing_source_on_s3(s3_prefix, tmp_path):
     assert not (destination / "export_manifest.json").exists()
 
 
+@pytest.mark.parametrize("scheme", ["", "file://"])
+def test_missing_local_source_is_named_before_ray_starts(tmp_path, scheme):
+    """A mistyped local --src is reported at once: the command, which would start a Ray of its
+    own here (no RAY_ADDRESS), exits before starting it."""
+    source = f"{scheme}{tmp_path}/no-such-run/actor"
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "rayexport.run", "--src", source, "--dst", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert_fails(completed, f"source '{source}' does not exist")
+    assert "ray_start" not in completed.stderr and "Started a local Ray" not in completed.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_rank_file(broken_copy, tmp_path):
     os.remove(broken_copy / "model_world_size_3_rank_1.pt")
     assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
