@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import posixpath
+import sys
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterator
 
@@ -22,7 +23,6 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from rayexport.errors import ExportError, one_line
-from rayexport.storage_s3 import BODY_ERRORS, S3_DEFAULTS, ConcurrentPartsFile, unfinished_uploads
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,13 @@ class Store:
     def __post_init__(self) -> None:
         self.uri = self.uri.rstrip("/") or self.uri
         protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
-        fs_options = merge_options(S3_DEFAULTS, self.options) if protocol in ("s3", "s3a") else {}
+        fs_options = {}
+        if protocol in ("s3", "s3a"):
+            # S3's client and its errors are imported only where an S3 store is opened: they are
+            # a second of start-up in every process of an export that reads and writes files
+            from rayexport.storage_s3 import S3_DEFAULTS
+
+            fs_options = merge_options(S3_DEFAULTS, self.options)
         try:
             # a copy: botocore rewrites the retries it is given in place (max_attempts becomes
             # total_max_attempts), which would carry into S3_DEFAULTS and outrank every later
@@ -241,6 +247,8 @@ class Store:
         return their keys. Only S3 has them."""
         if "s3" not in _protocols(self.fs):
             return []
+        from rayexport.storage_s3 import unfinished_uploads
+
         bucket = self.root.partition("/")[0]
         uploads = self._call("list uploads", "", unfinished_uploads, self.fs, self.root)
         for upload in uploads:
@@ -264,6 +272,8 @@ class Store:
 
     def _open_for_writing(self, path: str) -> IO[bytes]:
         if "s3" in _protocols(self.fs):
+            from rayexport.storage_s3 import ConcurrentPartsFile
+
             return ConcurrentPartsFile(self.fs, path)
         return self.fs.open(path, "wb", autocommit=False)
 
@@ -329,12 +339,22 @@ class _CheckedWrites:
         return len(view)
 
 
+def _body_errors() -> tuple[type[BaseException], ...]:
+    """The S3 client's errors for a body that breaks off (`storage_s3.BODY_ERRORS`); none
+    before s3fs is loaded, since only its reads raise them."""
+    if "s3fs" not in sys.modules:
+        return ()
+    from rayexport.storage_s3 import BODY_ERRORS
+
+    return BODY_ERRORS
+
+
 def _read_retrying(read, *args, **kwargs) -> bytes:
     """`read(*args, **kwargs)`, made again (READ_ATTEMPTS in all) while its body breaks off."""
     for _ in range(READ_ATTEMPTS - 1):
         try:
             return read(*args, **kwargs)
-        except BODY_ERRORS as error:
+        except _body_errors() as error:
             log.info("reading again after a response broke off: %s", one_line(error))
     return read(*args, **kwargs)
 

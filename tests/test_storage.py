@@ -212,3 +212,23 @@ def test_a_stores_parent_stops_at_the_root_and_at_the_bucket(s3_endpoint):
     assert Store("s3://bucket/run/step-5").parent().uri == "s3://bucket/run"
     assert Store("s3://bucket/run").parent().uri == "s3://bucket"
     assert Store("s3://bucket").parent() is None
+
+
+def test_a_local_export_loads_no_s3_client(tmp_path):
+    """A store on local disk imports neither s3fs nor its client (about a second of start-up in
+    each of an export's processes); an S3 store does."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from rayexport.storage import Store\n"
+        f"store = Store({str(tmp_path)!r})\n"
+        "store.write_bytes('a', b'1')\n"
+        "assert store.read_range('a', 0, 1) == b'1'\n"
+        "print(sorted(name for name in ('s3fs', 'botocore', 'aiohttp') if name in sys.modules))\n"
+        "Store('s3://bucket/prefix')\n"
+        "print(sorted(name for name in ('s3fs', 'botocore', 'aiohttp') if name in sys.modules))\n"
+    )
+    lines = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines == ["[]", "['aiohttp', 'botocore', 's3fs']"]
