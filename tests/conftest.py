@@ -113,41 +113,50 @@ def s3_prefix(s3_endpoint):
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory):
-    """Real FSDP2 checkpoints: tied Qwen2-style and untied Llama-style at world size 3 (uneven
-    shards), and a tied model on a 2x2 ("ddp", "fsdp") HSDP mesh."""
-    from support.checkpoints import write_verl_checkpoint
-    from support.models import tiny_config
+def verl_checkpoints(tmp_path_factory):
+    """Every verl checkpoint the session's tests share, by name, written with one set of gloo
+    ranks per world size (starting ranks, each importing transformers, costs far more than
+    saving a tiny model); `checkpoints` and `lora_checkpoints` hand them out."""
+    from transformers import GPT2Config
 
-    root = tmp_path_factory.mktemp("checkpoints")
-    return {
-        "tied": write_verl_checkpoint(tiny_config("qwen2-tied"), str(root / "tied"), world_size=3),
-        "untied": write_verl_checkpoint(tiny_config("llama-untied"), str(root / "untied"), world_size=3),
-        "hsdp": write_verl_checkpoint(
-            tiny_config("qwen2-tied"), str(root / "hsdp"), world_size=4, mesh_shape=(2, 2)
+    from support.checkpoints import VerlJob, write_verl_checkpoints
+    from support.models import LORA, REMOTE_CODE, remote_code_config, tiny_config
+
+    root = tmp_path_factory.mktemp("verl")
+    gpt2 = GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128, dtype="float32")
+    gpt2.architectures = ["GPT2LMHeadModel"]
+    return write_verl_checkpoints({
+        "tied": VerlJob(tiny_config("qwen2-tied"), str(root / "tied"), world_size=3),
+        "untied": VerlJob(tiny_config("llama-untied"), str(root / "untied"), world_size=3),
+        "hsdp": VerlJob(tiny_config("qwen2-tied"), str(root / "hsdp"), world_size=4, mesh_shape=(2, 2)),
+        "lora": VerlJob(tiny_config("qwen2-tied"), str(root / "lora"), world_size=3, lora=LORA),
+        "lora_only": VerlJob(tiny_config("qwen2-tied"), str(root / "lora-only"), world_size=2, lora=LORA, lora_only=True),
+        "remote": VerlJob(
+            remote_code_config(str(root / "remote-code")), str(root / "remote"), world_size=2, lora=LORA,
+            lora_only=True, code_files=REMOTE_CODE,
         ),
-    }
+        # GPT-2's Conv1D stores weights (in, out); attn.c_proj is square, so its shape cannot
+        # tell the orientation
+        "gpt2_lora": VerlJob(
+            gpt2, str(root / "gpt2-lora"), world_size=3, lora={"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_proj", "c_fc"]},
+        ),
+    })
 
 
 @pytest.fixture(scope="session")
-def lora_checkpoints(tmp_path_factory):
-    """verl-style LoRA runs: a PeftModel with random adapters saved by FSDP2 ranks, in full and
-    adapter-only (with the base model as a separate HF folder); and an adapter-only run of a
-    remote-code model, whose code lives only in its base model folder."""
-    from support.checkpoints import write_verl_checkpoint
-    from support.models import LORA, REMOTE_CODE, remote_code_config, tiny_config
+def checkpoints(verl_checkpoints):
+    """Real FSDP2 checkpoints: tied Qwen2-style and untied Llama-style at world size 3 (uneven
+    shards), and a tied model on a 2x2 ("ddp", "fsdp") HSDP mesh."""
+    return {name: verl_checkpoints[name] for name in ("tied", "untied", "hsdp")}
 
-    root = tmp_path_factory.mktemp("lora")
-    config = remote_code_config(str(root / "remote-code"))
-    return {
-        "lora": write_verl_checkpoint(tiny_config("qwen2-tied"), str(root / "lora"), world_size=3, lora=LORA),
-        "lora_only": write_verl_checkpoint(
-            tiny_config("qwen2-tied"), str(root / "lora-only"), world_size=2, lora=LORA, lora_only=True
-        ),
-        "remote": write_verl_checkpoint(
-            config, str(root / "remote"), world_size=2, lora=LORA, lora_only=True, code_files=REMOTE_CODE
-        ),
-    }
+
+@pytest.fixture(scope="session")
+def lora_checkpoints(verl_checkpoints):
+    """verl-style LoRA runs: a PeftModel with random adapters saved by FSDP2 ranks, in full and
+    adapter-only (with the base model as a separate HF folder); an adapter-only run of a
+    remote-code model, whose code lives only in its base model folder; and a GPT-2 run with
+    adapters on every Conv1D."""
+    return {name: verl_checkpoints[name] for name in ("lora", "lora_only", "remote", "gpt2_lora")}
 
 
 @pytest.fixture(scope="session")

@@ -46,17 +46,9 @@ def test_merge_equals_peft_merge_and_unload(lora_checkpoints, s3_lora, s3_prefix
 
 
 @pytest.fixture(scope="module")
-def gpt2_lora(tmp_path_factory, s3_endpoint):
-    """A GPT-2 LoRA run over 3 ranks, with adapters on every Conv1D (weights stored (in, out);
-    attn.c_proj is square, so its shape cannot tell the orientation)."""
-    from transformers import GPT2Config
-
-    from support.checkpoints import write_verl_checkpoint
-
-    config = GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128, dtype="float32")
-    config.architectures = ["GPT2LMHeadModel"]
-    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_proj", "c_fc"]}
-    written = write_verl_checkpoint(config, str(tmp_path_factory.mktemp("gpt2") / "lora"), world_size=3, lora=lora)
+def gpt2_lora(lora_checkpoints, s3_endpoint):
+    """A GPT-2 LoRA run over 3 ranks, with adapters on every Conv1D, and its S3 copy."""
+    written = lora_checkpoints["gpt2_lora"]
     return written, upload(written.path, "s3://rayexport-tests/lora/gpt2")
 
 

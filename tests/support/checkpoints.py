@@ -135,16 +135,21 @@ class WrittenCheckpoint:
     base_model: str | None = None
 
 
-def write_verl_checkpoint(
-    config,
-    out_dir: str,
-    world_size: int = 2,
-    mesh_shape: tuple[int, ...] | None = None,
-    seed: int = 0,
-    lora: dict | None = None,
-    lora_only: bool = False,
-    code_files: dict[str, str] | None = None,
-) -> WrittenCheckpoint:
+@dataclass(frozen=True)
+class VerlJob:
+    """One checkpoint for `write_verl_checkpoints`: `write_verl_checkpoint`'s arguments."""
+
+    config: object
+    out_dir: str
+    world_size: int = 2
+    mesh_shape: tuple[int, ...] | None = None
+    seed: int = 0
+    lora: dict | None = None
+    lora_only: bool = False
+    code_files: dict[str, str] | None = None
+
+
+def write_verl_checkpoint(config, out_dir: str, **job: object) -> WrittenCheckpoint:
     """Write a verl-layout FSDP2 checkpoint of `build_model(config, seed)` with `world_size`
     gloo ranks.
 
@@ -154,34 +159,56 @@ def write_verl_checkpoint(
     model is saved as a Hugging Face folder beside the checkpoint. `code_files` (name -> source)
     are a remote-code model's files, saved beside its config.json.
     """
-    os.makedirs(out_dir, exist_ok=True)
-    model = build_model(config, seed)
+    return write_verl_checkpoints({out_dir: VerlJob(config, out_dir, **job)})[out_dir]
+
+
+def write_verl_checkpoints(jobs: dict[str, VerlJob]) -> dict[str, WrittenCheckpoint]:
+    """Write every job's checkpoint (as `write_verl_checkpoint`), the jobs of one world size
+    with one set of gloo ranks; returns each job's checkpoint under its key."""
+    with tempfile.TemporaryDirectory(prefix="rayexport-verl-") as scratch:
+        prepared = {key: _prepare_verl(job, os.path.join(scratch, str(index))) for index, (key, job) in enumerate(jobs.items())}
+        for world_size in sorted({job.world_size for job in jobs.values()}):
+            save_models([prepared[key][1] for key, job in jobs.items() if job.world_size == world_size], world_size)
+    return {key: _finish_verl(job, *prepared[key][0]) for key, job in jobs.items()}
+
+
+def _prepare_verl(job: VerlJob, scratch: str) -> tuple[tuple, ModelSave]:
+    """Build the job's model (with its adapters and, for `lora_only`, its base model folder),
+    take its reference logits and save its weights and config under `scratch` for the ranks."""
+    os.makedirs(job.out_dir, exist_ok=True)
+    model = build_model(job.config, job.seed)
     base_model_dir = None
-    if lora_only:
-        base_model_dir = out_dir.rstrip("/") + "-base"
+    if job.lora_only:
+        base_model_dir = job.out_dir.rstrip("/") + "-base"
         model.save_pretrained(base_model_dir)
-        write_hf_folder(config, base_model_dir, code_files)
+        write_hf_folder(job.config, base_model_dir, job.code_files)
     adapter_state = None
-    if lora:
+    if job.lora:
         from peft.utils import get_peft_model_state_dict
 
-        model = with_random_lora(model, lora, seed)
+        model = with_random_lora(model, job.lora, job.seed)
         adapter_state = {name: tensor.clone() for name, tensor in get_peft_model_state_dict(model).items()}
     logits = reference_logits(model)
-    with tempfile.TemporaryDirectory(prefix="rayexport-verl-") as scratch:
-        weights, config_dir = os.path.join(scratch, "weights.pt"), os.path.join(scratch, "config")
-        torch.save(model.state_dict(), weights)
-        write_hf_folder(config, config_dir, code_files)
-        save_models([ModelSave(config_dir, weights, out_dir, mesh_shape=mesh_shape, lora=lora, lora_only=lora_only)], world_size)
-    if lora:
+    os.makedirs(scratch)
+    weights, config_dir = os.path.join(scratch, "weights.pt"), os.path.join(scratch, "config")
+    torch.save(model.state_dict(), weights)
+    write_hf_folder(job.config, config_dir, job.code_files)
+    save = ModelSave(config_dir, weights, job.out_dir, mesh_shape=job.mesh_shape, lora=job.lora, lora_only=job.lora_only)
+    return (model, logits, adapter_state, base_model_dir), save
+
+
+def _finish_verl(job: VerlJob, model, logits, adapter_state, base_model_dir) -> WrittenCheckpoint:
+    """The files a verl run writes beside the rank files, and the reference a faithful export
+    must reproduce (LoRA merged by peft itself)."""
+    if job.lora:
         model = model.merge_and_unload()
-        with open(os.path.join(out_dir, "lora_train_meta.json"), "w") as handle:
-            json.dump({"r": lora["r"], "lora_alpha": lora["lora_alpha"], "task_type": "CAUSAL_LM"}, handle)
-    write_fsdp_config(out_dir, world_size)
-    if not lora_only:
-        write_hf_folder(config, os.path.join(out_dir, "huggingface"), code_files)
+        with open(os.path.join(job.out_dir, "lora_train_meta.json"), "w") as handle:
+            json.dump({"r": job.lora["r"], "lora_alpha": job.lora["lora_alpha"], "task_type": "CAUSAL_LM"}, handle)
+    write_fsdp_config(job.out_dir, job.world_size)
+    if not job.lora_only:
+        write_hf_folder(job.config, os.path.join(job.out_dir, "huggingface"), job.code_files)
     reference_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    return WrittenCheckpoint(out_dir, world_size, logits, reference_state, adapter_state, base_model_dir)
+    return WrittenCheckpoint(job.out_dir, job.world_size, logits, reference_state, adapter_state, base_model_dir)
 
 
 # --- DCP -----------------------------------------------------------------------------------------
