@@ -183,7 +183,7 @@ def _write_and_check(
     expected = ExpectedExport(
         files=written.files, tensors=tensors, tied=_tied_pairs(model.formats, planning, output.untied),
         adapter=bool(planning.adapters), pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code,
-        format=planning.format, source_finite=source.finite,
+        format=planning.format, source_finite=source.finite, written_together=True,
     )
     consumers = group.start_consumer_checks(plan.destination, expected) if runs_checks(level) else None
     with timed_stage(plan.seconds, "verify_files") as moved:

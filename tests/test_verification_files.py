@@ -41,3 +41,45 @@ def test_pieces_cut_along_columns_are_checked_across_row_blocks(tmp_path, monkey
     [check] = files.check_files(Store(str(tmp_path)), ["model.safetensors"], expected)
     assert check.pieces_checked == 3
     assert check.problems == (["fidelity: tensor 'w' at offset [3, 2] differs from rank 1's 'right-low'"] if corrupt else [])
+
+
+@pytest.mark.parametrize("written_together", [False, True])
+def test_a_changed_tensor_is_named_whether_or_not_the_files_digest_stands_for_it(tmp_path, written_together):
+    """In the export's own verification (`written_together`: the writer took the file's and its
+    tensors' digests over the same bytes) a matching file digest stands for its tensors' digests;
+    a file changed since it was written still names the file, the tensor and its source piece."""
+    import hashlib
+
+    import torch
+
+    from rayexport.storage import Store
+    from rayexport.verification import files
+    from rayexport.verification.expected import ExpectedExport
+    from rayexport.writer import tensor_bytes
+
+    tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(2, 4)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    offset = len(data) - tensors["a"].nbytes - tensors["b"].nbytes  # "a" is first in the file
+    expected = ExpectedExport(
+        files={"model.safetensors": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+        tensors={
+            key: {"dtype": "float32", "shape": list(value.shape), "sha256": hashlib.sha256(tensor_bytes(value)).hexdigest()}
+            for key, value in tensors.items()
+        },
+        pieces={key: [{"offset": [0, 0], "shape": list(value.shape), "rank": 0, "source_key": key,
+                       "sha256": hashlib.sha256(tensor_bytes(value)).hexdigest()}] for key, value in tensors.items()},
+        written_together=written_together,
+    )
+    store = Store(str(tmp_path))
+    [intact] = files.check_files(store, ["model.safetensors"], expected)
+    assert intact.problems == [] and intact.digests_checked == 2
+    changed = bytearray(data)
+    changed[offset + 5] ^= 0x01
+    (tmp_path / "model.safetensors").write_bytes(bytes(changed))
+    [check] = files.check_files(store, ["model.safetensors"], expected)
+    assert check.problems == [
+        "integrity: file model.safetensors does not match its recorded sha256",
+        "integrity: tensor 'a' does not match its recorded digest",
+        "fidelity: tensor 'a' at offset [0, 0] differs from rank 0's 'a'",
+    ]

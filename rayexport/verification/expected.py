@@ -29,6 +29,10 @@ class ExpectedExport:
     trust_remote_code: bool = False
     format: Format = ON_DISK  # the tensor format written
     source_finite: bool = True  # False: the checkpoint itself held NaN/Inf, exported with a warning
+    # True when each file's and each of its tensors' digests were taken by the writer over the
+    # same bytes in this run (never for records read back from a manifest, which may have been
+    # edited since): a file whose sha256 matches then holds every tensor's recorded bytes
+    written_together: bool = False
 
     def to_manifest(self) -> dict[str, Any]:
         """The parts of the manifest `from_manifest` reads back."""
