@@ -90,7 +90,8 @@ def run_export(
         with timed_stage(plan.seconds, "describe_model"):  # what is left of it once the workers are up
             model = describing.result()
         source = _load(plan, group, model)
-        output = _plan_output(plan, group, model, source)
+        with timed_stage(plan.seconds, "plan_files"):  # names, ties (compared on the workers), files, the gather
+            output = _plan_output(plan, group, model, source)
         expected, written, checks, consumers = _write_and_check(plan, group, model, source, output)
         with timed_stage(plan.seconds, "reload"):  # what is left of it once the file checks are done
             verification = _with_consumer_checks(checks, group, consumers, expected)
@@ -171,7 +172,8 @@ def _write_and_check(
     (both None with --verify none)."""
     options, planning = plan.options, output.planning
     level = resolved(options.verify)
-    source_pieces = group.source_pieces(planning, source.loaded.worker_of_rank) if runs_checks(level) else {}
+    with timed_stage(plan.seconds, "source_digests"):
+        source_pieces = group.source_pieces(planning, source.loaded.worker_of_rank) if runs_checks(level) else {}
     carried = {**model.carried, **generated_files(model.config, planning, bool(output.untied), options.base_model)}
     with timed_stage(plan.seconds, "transfer") as moved:
         written = group.transfer(output.transfer, output.by_name, output.split, plan.destination, carried)

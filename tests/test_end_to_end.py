@@ -123,6 +123,10 @@ def test_a_good_tokenizer_and_bfloat16_reload_pass_verification(checkpoints, tmp
     for stage in ("load", "transfer", "verify_files"):  # one line per stage: bytes, seconds, rate
         assert re.search(rf"{stage}: \d+\.\d\d GB in \d+\.\d s \(\d+ MB/s\)", caplog.text), stage
     assert re.search(r"reload: \d+\.\d s", caplog.text)
-    reload_check = json.loads(completed.stdout[completed.stdout.index("{"):])["verification"]["checks"]["reload"]
+    report = json.loads(completed.stdout[completed.stdout.index("{"):])
+    reload_check = report["verification"]["checks"]["reload"]
     assert reload_check["tokenizer"] and reload_check["dtype"] == "bfloat16"
+    # every step between the workers' start and the commit is a phase of its own (here Ray was joined)
+    assert {"plan", "start_workers", "describe_model", "load", "plan_files", "source_digests", "transfer",
+            "verify_files", "reload", "shutdown", "commit"} <= set(report["seconds"])
     assert (destination / "export_manifest.json").exists()
