@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
+    """The command; `whole_process`: this process is the command itself (`python -m
+    rayexport.run`), whose start and imports count in the report's seconds."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return print_error(ExportError(missing), args.debug)
     seconds: dict[str, float] = {}
     try:
-        with command_line_session(options["log_level"], seconds):
+        with command_line_session(options["log_level"], seconds, whole_process):
             if args.demo:
                 from rayexport.demo import run_demo
 
@@ -126,5 +128,10 @@ def exit_without_teardown(code: int) -> None:
     os._exit(code)
 
 
+def cli() -> None:
+    """`python -m rayexport.run` and the `rayexport` command: the whole process is the command."""
+    exit_without_teardown(main(sys.argv[1:], whole_process=True))
+
+
 if __name__ == "__main__":
-    exit_without_teardown(main())
+    cli()

@@ -51,15 +51,17 @@ def ensure_ray(log_level: str) -> bool:
 
 
 @contextlib.contextmanager
-def command_line_session(log_level: str, seconds: dict[str, float]) -> Iterator[None]:
+def command_line_session(log_level: str, seconds: dict[str, float], whole_process: bool = False) -> Iterator[None]:
     """The command line's Ray: started (or joined) at once, while `rayexport.job` and what it
     imports (torch, transformers) load in a thread; stopped on leaving when started here. Into
-    `seconds`: `imports` (this process's start to here, and any wait for the imports after Ray
-    is up), `ray_start`, and on leaving `ray_stop`."""
-    import psutil
+    `seconds`: `imports` (any wait for the imports after Ray is up, and with `whole_process`,
+    the program itself, this process's start to here), `ray_start`, and on leaving `ray_stop`."""
     import ray
 
-    seconds["imports"] = round(time.time() - psutil.Process().create_time(), 3)
+    if whole_process:
+        import psutil
+
+        seconds["imports"] = round(time.time() - psutil.Process().create_time(), 3)
     importing = threading.Thread(target=importlib.import_module, args=("rayexport.job",), daemon=True)
     importing.start()  # an import that fails raises again, with its own message, where it is used
     with timed_stage(seconds, "ray_start"):

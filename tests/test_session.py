@@ -33,3 +33,22 @@ def test_a_process_of_the_session_ray_has_imported_the_worker_module_before_it_r
     exec("def imported(name):\n    import sys\n    return name in sys.modules", namespace)
     assert ray.get(ray.remote(num_cpus=0)(namespace["imported"]).remote(WORKER_MODULE))
     assert not ray.get(ray.remote(num_cpus=0)(namespace["imported"]).remote("rayexport.no_such_module"))
+
+
+def test_the_imports_phase_counts_the_process_only_where_it_is_the_command(ray_address):
+    """`python -m rayexport.run` counts its own start and imports; `main()` called in a running
+    process (as here) does not report that process's age as the export's imports."""
+    import time
+
+    import psutil
+
+    from rayexport.session import command_line_session
+
+    age = time.time() - psutil.Process().create_time()
+    called, command = {}, {}
+    with command_line_session("WARNING", called):
+        pass
+    with command_line_session("WARNING", command, whole_process=True):
+        pass
+    assert command["imports"] >= age > called["imports"]
+    assert "ray_stop" not in called and "ray_stop" not in command  # joined, not started: left running
