@@ -2,8 +2,8 @@
 `torchtitan_save.py` (torchtitan's own code, on CPU).
 
 Each torchtitan version gets a virtualenv of its own under a cache folder that test sessions
-share, so that only the first session pays for the install (0.3.0: under a minute and 2 GiB,
-half of it triton; 0.2.2: under a minute and a half, 2.4 GiB). torchtitan is installed without
+share, so that only the first session pays for the install (0.3.0: 24 s and 1.1 GiB, most of it triton;
+torch itself is the test session's own, see `_share_torch`). torchtitan is installed without
 its declared dependencies (wandb, tensorboard, datasets...): only what the import path of its
 model classes, FSDP2 helper, CheckpointManager and state dict adapters needs, with torch pinned
 in the same resolution so that no dependency can swap in another (CUDA) build.
@@ -39,8 +39,24 @@ def torchtitan_python(cache_dir: str, version: str = "0.3.0") -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(installed):
             subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+            _share_torch(python)
             pip = [python, "-m", "pip", "install", "--quiet"]
             subprocess.run([*pip, TORCH, *DEPENDENCIES[version]], check=True)
             subprocess.run([*pip, "--no-deps", f"torchtitan=={version}"], check=True)
             open(installed, "w").close()
     return python
+
+
+def _share_torch(python: str) -> None:
+    """Let the new virtualenv see this Python's site-packages, after its own, so that pip finds
+    the torch already installed here (the same build, by construction) instead of installing
+    another: 24 s and 1.1 GiB for 0.3.0's virtualenv, against 54 s and 2 GiB. What pip installs
+    there (torchtitan and the dependencies above) comes first on its path."""
+    import torch
+
+    shared = os.path.dirname(os.path.dirname(torch.__file__))
+    own = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    with open(os.path.join(own, "shared-torch.pth"), "w") as handle:
+        handle.write(shared + "\n")
