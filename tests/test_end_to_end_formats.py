@@ -1,9 +1,11 @@
-"""MoE and vision-language models, trained under either naming, exported as a user would:
+"""MoE and vision-language models, trained under either naming, exported as a user would
+(`rayexport.export()`; the CLI for the one that fails):
 the export holds exactly the keys and shapes `save_pretrained` writes, reloads with no missing
 or unexpected keys, gives the reference model's logits, and keeps its ties."""
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ ARCHITECTURES = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_vl", "qwen2_5_vl"
 VERL = [(architecture, naming, "verl") for architecture in ARCHITECTURES for naming in ("in-memory", "on-disk")]
 DCP = [(architecture, naming, "dcp") for architecture in ("qwen3_moe", "qwen2_5_vl") for naming in ("in-memory", "on-disk")]
 MIXED = ("qwen3_moe", "mixed", "verl")
+IN_MEMORY = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_5_vl"]
 TIED = {"qwen2_5_vl": ("model.language_model.embed_tokens.weight", "lm_head.weight"),
         "qwen3": ("model.embed_tokens.weight", "lm_head.weight")}
 
@@ -35,14 +38,31 @@ def exported_shapes(folder):
     return shapes
 
 
-def export_checkpoint(checkpoint, tmp_path, *options):
-    """Run the CLI on a checkpoint; return the export's folder and the report."""
-    destination, report_path = tmp_path / "export", tmp_path / "report.json"
-    completed = run_main(
-        "--src", checkpoint.path, "--dst", str(destination), "--workers", "2", "--report", str(report_path), *options
-    )
-    assert completed.returncode == 0, completed.stderr
-    return destination, json.loads(report_path.read_text())
+@pytest.fixture(scope="module")
+def exports(format_checkpoints, tmp_path_factory, ray_address):
+    """Every export this module checks, through `rayexport.export()`, two at a time (one tiny
+    export leaves this machine's cores idle much of its time): by its key, a future of the
+    export's folder and report (an export that fails fails only the tests that read it)."""
+    from rayexport import export
+
+    root = tmp_path_factory.mktemp("format-exports")
+    jobs = {("on-disk",) + case: (case, {"dtype": "float32"}) for case in VERL + DCP}
+    jobs.update({
+        ("in-memory", architecture): ((architecture, "on-disk", "verl"), {"dtype": "float32", "format": "in-memory", "verify": "quick"})
+        for architecture in IN_MEMORY
+    })
+    jobs[("bfloat16",)] = (("qwen3_moe", "in-memory", "verl"), {"verify": "quick"})
+
+    def run(key):
+        case, options = jobs[key]
+        destination = root / "-".join(key)
+        report = export(format_checkpoints[case].path, str(destination), workers=2, log_level="WARNING", **options)
+        return destination, json.loads(report.to_json())
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {key: pool.submit(run, key) for key in jobs}
+        wait(futures.values())
+    return futures
 
 
 def reload_export(folder, architecture):
@@ -60,9 +80,9 @@ def reload_export(folder, architecture):
 
 
 @pytest.mark.parametrize("case", VERL + DCP, ids="-".join)
-def test_export_is_save_pretrained_format_and_reloads_with_the_same_logits(case, format_checkpoints, tmp_path, ray_address):
+def test_export_is_save_pretrained_format_and_reloads_with_the_same_logits(case, format_checkpoints, exports):
     checkpoint = format_checkpoints[case]
-    destination, report = export_checkpoint(checkpoint, tmp_path, "--dtype", "float32")
+    destination, report = exports[("on-disk",) + case].result()
     dense = checkpoint.architecture == "qwen3"  # one naming: the two are the same
     assert (report["naming"], report["format"]) == ("in-memory" if dense else checkpoint.naming, "on-disk")
     assert report["verification"]["passed"] and "reload" in report["verification"]["checks"]
@@ -75,11 +95,11 @@ def test_export_is_save_pretrained_format_and_reloads_with_the_same_logits(case,
     assert shared in (None, True)
 
 
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_5_vl"])
-def test_the_in_memory_option_writes_the_state_dict_names(architecture, format_checkpoints, tmp_path, ray_address):
+@pytest.mark.parametrize("architecture", IN_MEMORY)
+def test_the_in_memory_option_writes_the_state_dict_names(architecture, format_checkpoints, exports):
     """From the on-disk naming: per-expert pieces fused, VLM names nested again."""
     checkpoint = format_checkpoints[(architecture, "on-disk", "verl")]
-    destination, report = export_checkpoint(checkpoint, tmp_path, "--dtype", "float32", "--format", "in-memory", "--verify", "quick")
+    destination, report = exports[("in-memory", architecture)].result()
     assert report["format"] == "in-memory" and report["verification"]["passed"]
     assert exported_shapes(destination) == checkpoint.memory_shapes
     info, logits, shared = reload_export(str(destination), architecture)
@@ -97,8 +117,8 @@ def test_a_checkpoint_mixing_namings_is_one_line_naming_both_keys(format_checkpo
     assert not (tmp_path / "export").exists() or not any((tmp_path / "export").iterdir())
 
 
-def test_a_float32_training_config_is_published_in_bfloat16(format_checkpoints, tmp_path, ray_address):
-    destination, report = export_checkpoint(format_checkpoints[("qwen3_moe", "in-memory", "verl")], tmp_path, "--verify", "quick")
+def test_a_float32_training_config_is_published_in_bfloat16(exports):
+    destination, report = exports[("bfloat16",)].result()
     config = json.loads((destination / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
     with safe_open(str(destination / "model.safetensors"), framework="pt") as handle:
