@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
         parser.error("--src and --dst are required (or --demo, or --cleanup DST)")
     if args.demo:
         options["workers"] = options["workers"] or 2
-    elif (missing := missing_local_source(source)) is not None:
-        return print_error(ExportError(missing), args.debug)
     seconds: dict[str, float] = {}
     try:
+        if not args.demo:
+            refuse_missing_local_source(source)
         with command_line_session(options["log_level"], seconds, whole_process):
             if args.demo:
                 from rayexport.demo import run_demo
@@ -79,14 +79,17 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
     return 0
 
 
-def missing_local_source(source: str) -> str | None:
-    """The error for a local `--src` (a path or file://) that does not exist, found before Ray's
-    start (seconds) rather than by the reader after it; None for anything else, which the
-    readers check."""
+def refuse_missing_local_source(source: str) -> None:
+    """Raise for a local `--src` (a path or file://) that does not exist, before the command
+    starts its own Ray (seconds) rather than from the reader after it. Not where it joins a
+    cluster (RAY_ADDRESS, or a Ray this process belongs to), whose rank files may sit on other
+    nodes' own disks; other URIs are the readers' to check."""
+    ray = sys.modules.get("ray")
+    if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+        return
     path = source.removeprefix("file://")
-    if "://" in path or os.path.exists(path):
-        return None
-    return f"source '{source}' does not exist"
+    if "://" not in path and not os.path.exists(path):
+        raise ExportError(f"source '{source}' does not exist")
 
 
 def watch_command(args: argparse.Namespace, options: dict) -> int:
