@@ -10,7 +10,7 @@ import sys
 
 from rayexport.errors import ExportError, print_error
 from rayexport.options import ExportOptions, add_option_arguments, options_from_arguments
-from rayexport.session import command_line_session
+from rayexport.session import command_line_session, starts_own_ray
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,8 +84,7 @@ def refuse_missing_local_source(source: str) -> None:
     starts its own Ray (seconds) rather than from the reader after it. Not where it joins a
     cluster (RAY_ADDRESS, or a Ray this process belongs to), whose rank files may sit on other
     nodes' own disks; other URIs are the readers' to check."""
-    ray = sys.modules.get("ray")
-    if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+    if not starts_own_ray():
         return
     path = source.removeprefix("file://")
     if "://" not in path and not os.path.exists(path):

@@ -35,19 +35,25 @@ def local_ray_settings(log_level: str) -> dict:
     }
 
 
+def starts_own_ray() -> bool:
+    """Whether `ensure_ray` would start a local Ray: this process belongs to none and
+    RAY_ADDRESS names no cluster to join."""
+    import ray
+
+    return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+
+
 def ensure_ray(log_level: str) -> bool:
     """Join the Ray cluster at RAY_ADDRESS, or start a local one, unless this process already
     belongs to one. Returns whether it started Ray (and so must stop it)."""
     import ray
 
-    if ray.is_initialized():
-        return False
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=log_level, log_to_driver=True)
-        return False
-    ray.init(**local_ray_settings(log_level))
-    return True
+    if starts_own_ray():
+        ray.init(**local_ray_settings(log_level))
+        return True
+    if not ray.is_initialized():
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=log_level, log_to_driver=True)
+    return False
 
 
 @contextlib.contextmanager
