@@ -31,6 +31,7 @@ from rayexport.plan.schedule import ShardFile, TransferPlan, plan_shard_files, p
 from rayexport.report import ExportReport, timed_stage
 from rayexport.storage import Store
 from rayexport.ties import check_tied_values
+from rayexport.verification import VerificationError
 from rayexport.verification.consumers import consumer_warnings
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.outcome import verification_outcome
@@ -185,7 +186,7 @@ def _write_and_check(
     expected = ExpectedExport(
         files=written.files, tensors=tensors, tied=_tied_pairs(model.formats, planning, output.untied),
         adapter=bool(planning.adapters), pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code,
-        format=planning.format, source_finite=source.finite, written_together=True,
+        format=planning.format, source_finite=source.finite, written_together=True, serve=options.serve,
     )
     consumers = group.start_consumer_checks(plan.destination, expected) if runs_checks(level) else None
     with timed_stage(plan.seconds, "verify_files") as moved:
@@ -342,7 +343,10 @@ def _with_consumer_checks(
     run without file checks, with `--verify none`). A file check's failure was raised first."""
     results = {}
     if consumers is not None:
-        results = group.consumer_results(consumers)
+        try:
+            results = group.consumer_results(consumers)
+        except VerificationError as error:  # the consumer the user runs it with cannot load it
+            raise VerificationError(f"{error}; the export was not committed") from None
     for warning in consumer_warnings(results):
         log.warning("verification: %s", warning)
     return verification_outcome(expected.level, checks, results)

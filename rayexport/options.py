@@ -16,6 +16,7 @@ from rayexport.layouts import LAYOUT_NAMES
 from rayexport.levels import AUTO, LEVELS
 from rayexport.placement import is_whole
 from rayexport.plan.formats import FORMATS, ON_DISK
+from rayexport.verification.serving import ENGINES, ServeRequest
 
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -134,6 +135,17 @@ class ExportOptions:
         "than --bucket-size allows is streamed through the forward pass), quick (headers and a sample, keys "
         "only), none; auto = full", group=VERIFICATION, choices=LEVELS, recorded=True,
     )
+    serve_check: str = option(
+        "none", "also load the export in a serving engine before commit: vllm builds it and generates from fixed "
+        "prompts, and each token must be transformers' top choice on the same prefix", group=VERIFICATION,
+        choices=("none", *ENGINES),
+    )
+    vllm_python: str | None = option(
+        help="the Python that runs the vLLM check (default: this one); vLLM pins its own torch and transformers, "
+        "so it often has a virtualenv of its own", group=VERIFICATION, metavar="PATH",
+    )
+    serve_check_gpus: float = option(1.0, "GPUs the serve check asks Ray for where the cluster has GPUs",
+                                     group=VERIFICATION, metavar="N")
     strict: bool = option(False, "fail on NaN/Inf weights instead of warning", group=SAFETY, recorded=True)
     trust_remote_code: bool = option(False, "allow the model's own code to run (plan and reload)",
                                      group=SAFETY, recorded=True)
@@ -161,12 +173,23 @@ class ExportOptions:
             raise ExportError(f"--writers must be at least 1, not {self.writers}")
         if self.bucket_size < 1:
             raise ExportError("--bucket-size must be positive")
+        if self.vllm_python and self.serve_check != "vllm":
+            raise ExportError("--vllm-python names the Python of the vLLM check: add --serve-check vllm")
+        if self.serve_check_gpus < 0:
+            raise ExportError(f"--serve-check-gpus must not be negative, not {self.serve_check_gpus:g}")
 
     @property
     def memory_bound_bytes(self) -> int:
         """The most memory any process of the export may hold above its start-up footprint: the
         two buckets a worker holds, and 1 GiB for everything else (the reload check keeps to it)."""
         return 2 * self.bucket_size + 2**30
+
+    @property
+    def serve(self) -> ServeRequest | None:
+        """The serve check asked for, if any."""
+        if self.serve_check == "none":
+            return None
+        return ServeRequest(self.serve_check, self.vllm_python, self.serve_check_gpus)
 
     def recorded(self) -> dict[str, Any]:
         """The options that decide the export's bytes, as stored in the manifest (no secrets)."""

@@ -74,9 +74,22 @@ class ExportReport:
             + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in self.peak_rss_bytes.items()),
             f"  verified ({self.verification.get('level')}): " + ", ".join(self.verification.get("checks", {}))
             if self.verification.get("passed") else "  verification skipped (--verify none)",
+            *serve_lines(self.verification.get("checks", {})),
             f"  committed: {self.manifest}",
         ]
         return "\n".join(lines)
+
+
+def serve_lines(checks: dict[str, Any]) -> list[str]:
+    """The summary's line for a serve check that ran (none otherwise)."""
+    served = checks.get("vllm")
+    if not served:
+        return []
+    return [
+        f"  vllm {served['version']} on {served['device']} ({served['dtype']}): {served['tokens_compared']} generated "
+        f"tokens from {served['prompts']} prompts, each transformers' top choice (largest logprob difference "
+        f"{served['largest_logprob_difference']:.2g}); load {served['load_s']:.1f} s, generate {served['generate_s']:.1f} s"
+    ]
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from rayexport.errors import ExportError, print_error
 from rayexport.levels import FULL, QUICK
@@ -16,6 +17,7 @@ from rayexport.options import parse_size
 from rayexport.storage import Store, storage_options_from_env
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.outcome import verify_export
+from rayexport.verification.serving import ENGINES, ServeRequest
 
 # What an export with the default --bucket-size (1 GiB) allows: two buckets and 1 GiB.
 DEFAULT_MEMORY_BOUND = "3GiB"
@@ -23,17 +25,18 @@ DEFAULT_MEMORY_BOUND = "3GiB"
 
 def verify_uri(
     uri: str, level: str | None = None, storage_options: dict | None = None, timeout_s: float = 1800,
-    memory_bound: int | str = DEFAULT_MEMORY_BOUND,
+    memory_bound: int | str = DEFAULT_MEMORY_BOUND, serve: ServeRequest | None = None,
 ) -> dict:
     """Check the committed export at `uri` against its manifest; raise ExportError naming the
     first problem, else return each check's numbers. The reload stays within `memory_bound`
-    bytes above its start-up footprint, streaming the weights of a larger model."""
+    bytes above its start-up footprint, streaming the weights of a larger model; `serve` adds
+    a serving engine's check (vLLM, on this machine's GPU where torch finds one)."""
     store = Store(uri, storage_options_from_env(storage_options))
     manifest = read_manifest(store)
     if manifest is None:
         raise ExportError(f"'{uri}' is not a committed export (no {MANIFEST_NAME})")
     try:
-        expected = ExpectedExport.from_manifest(manifest, level)
+        expected = replace(ExpectedExport.from_manifest(manifest, level), serve=serve)
     except (KeyError, TypeError, AttributeError) as error:
         raise ExportError(f"'{store.display(MANIFEST_NAME)}' is not a rayexport manifest: missing {error}") from None
     return verify_export(store, expected, timeout_s, parse_size(memory_bound))
@@ -48,10 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--memory-bound", default=DEFAULT_MEMORY_BOUND, metavar="SIZE",
                         help=f"most memory the reload may hold above its start-up (default {DEFAULT_MEMORY_BOUND})")
+    parser.add_argument("--serve-check", choices=ENGINES, help="also have a serving engine build the export and "
+                        "generate from it, each token transformers' top choice on the same prefix")
+    parser.add_argument("--vllm-python", metavar="PATH", help="the Python that runs the vLLM check (default: this one)")
     parser.add_argument("--json", action="store_true", help="print the checks' numbers as JSON")
     args = parser.parse_args(argv)
+    if args.vllm_python and not args.serve_check:
+        parser.error("--vllm-python names the Python of the vLLM check: add --serve-check vllm")
+    serve = ServeRequest(args.serve_check, args.vllm_python) if args.serve_check else None
     try:
-        result = verify_uri(args.uri, args.level, args.storage_options, args.timeout, args.memory_bound)
+        result = verify_uri(args.uri, args.level, args.storage_options, args.timeout, args.memory_bound, serve)
     except ExportError as error:
         return print_error(error)
     print(json.dumps(result, indent=2) if args.json else f"verified {args.uri} ({result['level']}): "

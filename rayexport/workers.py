@@ -72,6 +72,24 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray else socket.gethostname()
 
 
+def run_on_gpus(check: Any, gpus: float, destination: Store, *arguments: Any) -> dict[str, Any]:
+    """A consumer check that asks for `gpus` (the vLLM check), as a Ray task holding them where
+    the cluster has that many, on this node when the export is on this node's own disk; on a
+    cluster without them (or outside Ray) it runs here, on CPU."""
+    ray = _running_ray()
+    if ray is None or ray.cluster_resources().get("GPU", 0) < gpus:
+        return check.run(destination, *arguments)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(_node_id(), soft=False) if destination.is_local else "DEFAULT"
+    task = ray.remote(_run_check).options(num_cpus=0, num_gpus=gpus, scheduling_strategy=here)
+    return ray.get(task.remote(check, destination, *arguments))
+
+
+def _run_check(check: Any, *arguments: Any) -> dict[str, Any]:
+    return check.run(*arguments)
+
+
 @contextlib.contextmanager
 def progress_bar(total: int | None, description: str) -> Iterator[Callable[[int], Any]]:
     """A bar of bytes done, with rate and ETA; yields its update function. Inside Ray, the
@@ -139,7 +157,7 @@ class ExportWorker:
         """Worker 0: run the consumer checks on the written export (each in a process of its
         own, see `rayexport.verification.consumers`), with what `prepare_checks` started."""
         prepared, self.prepared_checks = self.prepared_checks, {}
-        return run_consumer_checks(destination, expected, timeout_s, memory_bound_bytes, prepared=prepared)
+        return run_consumer_checks(destination, expected, timeout_s, memory_bound_bytes, prepared=prepared, gpu_runner=run_on_gpus)
 
     def open_rendezvous(self, timeout_s: float, host: str | None = None) -> tuple[str, int]:
         """Worker 0 only: open the process group's store on `host` (default: this Ray node's

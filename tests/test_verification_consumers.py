@@ -9,6 +9,8 @@ from rayexport.verification.consumers import (
     CONSUMER_CHECKS, ConsumerCheck, TransformersReload, consumer_warnings, prepare_consumer_checks, run_consumer_checks,
 )
 from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.serving import ServeRequest
+from rayexport.verification.serving.vllm_check import VllmServe
 from rayexport.verification.outcome import verification_outcome
 
 FILE_CHECKS = {"files": {"files": 3, "bytes_read": 10}}
@@ -20,8 +22,8 @@ class Recorded(ConsumerCheck):
     def __init__(self, name: str, levels: set[str]) -> None:
         self.name, self.levels = name, levels
 
-    def runs_at(self, level: str) -> bool:
-        return level in self.levels
+    def runs_for(self, expected) -> bool:
+        return expected.level in self.levels
 
     def run(self, destination, expected, timeout_s, memory_bound_bytes, prepared=None):
         return {"consumer": self.name, "level": expected.level, "timeout_s": timeout_s, "bound": memory_bound_bytes}
@@ -72,9 +74,34 @@ def test_without_file_checks_the_outcome_says_nothing_was_checked():
     assert verification_outcome(NONE, None, {}) == {"passed": None, "level": "none"}
 
 
-def test_the_list_is_the_transformers_reload_under_reload():
-    assert [type(check) for check in CONSUMER_CHECKS] == [TransformersReload]
-    assert CONSUMER_CHECKS[0].name == "reload" and all(CONSUMER_CHECKS[0].runs_at(level) for level in (FULL, QUICK))
+def test_the_list_is_the_transformers_reload_then_the_vllm_check_only_when_asked_for():
+    assert [type(check) for check in CONSUMER_CHECKS] == [TransformersReload, VllmServe]
+    reload, vllm = CONSUMER_CHECKS
+    for level in (FULL, QUICK):
+        plain = ExpectedExport(files={}, tensors={}, level=level)
+        asked = ExpectedExport(files={}, tensors={}, level=level, serve=ServeRequest("vllm", None, 2.0))
+        assert reload.runs_for(plain) and reload.runs_for(asked)
+        assert not vllm.runs_for(plain) and vllm.runs_for(asked)
+    assert (reload.name, vllm.name, reload.gpus(asked), vllm.gpus(asked)) == ("reload", "vllm", 0.0, 2.0)
+
+
+class WantsGpus(Recorded):
+    def gpus(self, expected) -> float:
+        return 1.0
+
+
+def test_a_check_that_asks_for_gpus_goes_through_the_runner_and_runs_here_without_one(tmp_path):
+    checks = [Recorded("reload", {FULL}), WantsGpus("vllm", {FULL})]
+    expected = ExpectedExport(files={}, tensors={}, level=FULL)
+    given = []
+
+    def runner(check, gpus, *arguments):
+        given.append((check.name, gpus))
+        return {"on": "a GPU"}
+
+    results = run_consumer_checks(Store(str(tmp_path)), expected, 60, 1024, checks, gpu_runner=runner)
+    assert given == [("vllm", 1.0)] and results["vllm"] == {"on": "a GPU"} and results["reload"]["consumer"] == "reload"
+    assert run_consumer_checks(Store(str(tmp_path)), expected, 60, 1024, checks)["vllm"]["consumer"] == "vllm"
 
 
 def test_the_reload_asks_for_a_warning_only_when_the_streamed_reload_declined():

@@ -2,49 +2,24 @@
 
 `CONSUMER_CHECKS` is the list every verification runs (`run_consumer_checks`; during an export,
 on the exporter, worker 0, with what `prepare_consumer_checks` started when the worker did);
-each check's result goes under its `name` in the verification's checks. Adding a consumer (a
-vLLM load, say) is one module with a `ConsumerCheck` subclass and one entry in the list.
+each check's result goes under its `name` in the verification's checks: the transformers
+reload, then the serve check a user asked for (`serving`). Adding a consumer is one module with
+a `ConsumerCheck` subclass (`consumer_check`) and one entry in the list.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rayexport.storage import Store
+from rayexport.verification.consumer_check import ConsumerCheck
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.reload.parent import ReloadProcess, check_reload
+from rayexport.verification.serving.vllm_check import VllmServe
 
-
-class ConsumerCheck(ABC):
-    """One consumer of the export, checked loading it; a failure raises VerificationError
-    naming what the consumer could not load."""
-
-    name: str  # the key of its result in the verification's checks
-
-    @abstractmethod
-    def runs_at(self, level: str) -> bool:
-        """Whether the check runs when the export is verified at `level`."""
-
-    def prepare(self) -> Any:
-        """Start what the check can start before the export is written (its process, so that
-        its imports overlap the export); `run` is handed it. None: nothing to start."""
-        return None
-
-    def discard(self, prepared: Any) -> None:
-        """End what `prepare` started, for a check that will not run."""
-
-    @abstractmethod
-    def run(
-        self, destination: Store, expected: ExpectedExport, timeout_s: float, memory_bound_bytes: int, prepared: Any = None,
-    ) -> dict[str, Any]:
-        """Check the export at `destination` within `timeout_s` seconds, holding at most
-        `memory_bound_bytes` above the checking process's start-up, with what `prepare`
-        started (None: start it now); its numbers."""
-
-    def warning(self, result: dict[str, Any]) -> str | None:
-        """A line for the export's log about how the check ran (None: nothing to say)."""
-        return None
+# Runs a check that asks for GPUs (`ConsumerCheck.gpus`) where the cluster has them: given by
+# the orchestration (rayexport.workers), called with the check, its GPUs and `run`'s arguments.
+GpuRunner = Callable[..., dict[str, Any]]
 
 
 class TransformersReload(ConsumerCheck):
@@ -53,7 +28,7 @@ class TransformersReload(ConsumerCheck):
 
     name = "reload"
 
-    def runs_at(self, level: str) -> bool:
+    def runs_for(self, expected: ExpectedExport) -> bool:
         """At every level the export is verified at (at `quick`, it compares keys only)."""
         return True
 
@@ -77,7 +52,7 @@ class TransformersReload(ConsumerCheck):
         return result.get("reason")
 
 
-CONSUMER_CHECKS: list[ConsumerCheck] = [TransformersReload()]
+CONSUMER_CHECKS: list[ConsumerCheck] = [TransformersReload(), VllmServe()]
 
 
 def prepare_consumer_checks(checks: Sequence[ConsumerCheck] = CONSUMER_CHECKS) -> dict[str, Any]:
@@ -95,15 +70,21 @@ def discard_prepared(prepared: dict[str, Any], checks: Sequence[ConsumerCheck] =
 def run_consumer_checks(
     destination: Store, expected: ExpectedExport, timeout_s: float, memory_bound_bytes: int,
     checks: Sequence[ConsumerCheck] = CONSUMER_CHECKS, prepared: dict[str, Any] | None = None,
+    gpu_runner: GpuRunner | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Each of `checks` that runs at the export's level, in order, with what it `prepared`
-    (started now where nothing was): its result by its name. What no check used is ended."""
+    """Each of `checks` that runs for the export, in order, with what it `prepared` (started
+    now where nothing was): its result by its name. A check that asks for GPUs goes through
+    `gpu_runner` when there is one (else it runs here). What no check used is ended."""
     prepared = dict(prepared or {})
+    results = {}
     try:
-        return {
-            check.name: check.run(destination, expected, timeout_s, memory_bound_bytes, prepared.pop(check.name, None))
-            for check in checks if check.runs_at(expected.level)
-        }
+        for check in checks:
+            if not check.runs_for(expected):
+                continue
+            arguments = (destination, expected, timeout_s, memory_bound_bytes, prepared.pop(check.name, None))
+            gpus = check.gpus(expected)
+            results[check.name] = gpu_runner(check, gpus, *arguments) if gpus and gpu_runner else check.run(*arguments)
+        return results
     finally:
         discard_prepared(prepared, checks)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from rayexport.levels import FULL, Level, reads_whole_files
 from rayexport.plan.formats import ON_DISK, Format
+from rayexport.verification.serving import ServeRequest
 
 QUICK_SAMPLE = 16
 
@@ -33,6 +34,7 @@ class ExpectedExport:
     # same bytes in this run (never for records read back from a manifest, which may have been
     # edited since): a file whose sha256 matches then holds every tensor's recorded bytes
     written_together: bool = False
+    serve: ServeRequest | None = None  # the serve check the user asked for (not in the manifest)
 
     def to_manifest(self) -> dict[str, Any]:
         """The parts of the manifest `from_manifest` reads back."""

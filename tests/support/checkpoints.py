@@ -275,9 +275,11 @@ class FormatCheckpoint:
     saved_config: dict  # the config.json save_pretrained writes
 
 
-def write_format_checkpoints(root: str, cases: list[tuple[str, str, str]], world_size: int = 2) -> dict:
-    """Checkpoints of `tiny_format_config` models for (architecture, naming, layout) cases, all
-    written by one set of gloo ranks; returns {case: FormatCheckpoint}.
+def write_format_checkpoints(
+    root: str, cases: list[tuple[str, str, str]], world_size: int = 2, config_of=tiny_format_config,
+) -> dict:
+    """Checkpoints of `config_of(architecture)` models for (architecture, naming, layout) cases,
+    all written by one set of gloo ranks; returns {case: FormatCheckpoint}.
 
     The in-memory naming is what a run under transformers 5 saves: the model itself, sharded by
     `fully_shard`. The on-disk naming is what a run under transformers 4 saved (per-expert MoE
@@ -285,7 +287,7 @@ def write_format_checkpoints(root: str, cases: list[tuple[str, str, str]], world
     written, saves = {}, []
     with tempfile.TemporaryDirectory(prefix="rayexport-formats-") as scratch:
         for architecture in sorted({case[0] for case in cases}):
-            config = tiny_format_config(architecture)
+            config = config_of(architecture)
             model = build_format_model(config)
             memory = model.state_dict()
             saved, saved_config = saved_state(model)

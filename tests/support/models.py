@@ -138,6 +138,27 @@ def tiny_format_config(architecture: str):
     return config
 
 
+# vLLM's CPU attention runs head_dim 32 and up (not 8 or 16): the serving check's models.
+SERVING = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+               vocab_size=256, max_position_embeddings=128, dtype="float32", initializer_range=0.3)
+
+
+def serving_config(kind: str):
+    """A tiny config for the vLLM check: `qwen2-tied`, `llama-untied`, `qwen3_moe` (untied, 4
+    experts) with head_dim 32, or `qwen2-head16`, whose head_dim vLLM's CPU attention refuses.
+    Its larger initializer range gives decisive logits, so a wrong weight moves the top token."""
+    import transformers
+
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**SERVING, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                             num_experts_per_tok=2, tie_word_embeddings=False)
+        config.architectures = ["Qwen3MoeForCausalLM"]
+        return config
+    if kind == "qwen2-head16":
+        return tiny_config("qwen2-tied", **dict(SERVING, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    return tiny_config(kind, **SERVING, intermediate_size=128)
+
+
 def model_of(config) -> torch.nn.Module:
     """The model of `config` with freshly initialised weights: the transformers class its
     `architectures` names, else (remote code) the Auto class its `auto_map` maps to."""

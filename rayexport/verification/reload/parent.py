@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from rayexport.dtypes import TORCH_NAME_OF_CODE
 from rayexport.errors import one_line
@@ -39,6 +39,12 @@ CHILD_MODULE = "rayexport.verification.reload.child"
 IMPORT_NICENESS = 10
 
 
+def without_credentials(environment: Mapping[str, str]) -> dict[str, str]:
+    """`environment` without the variables that carry storage credentials: for a process that
+    may import the export's remote code."""
+    return {key: value for key, value in environment.items() if not SECRET_ENV.match(key)}
+
+
 class ReloadProcess:
     """The reload's child, started ahead of the check it runs: without storage credentials, with
     an empty module cache of its own, its imports (torch, transformers) done while the export is
@@ -48,7 +54,7 @@ class ReloadProcess:
         self.scratch = tempfile.mkdtemp(prefix="rayexport-reload-")
         modules = os.path.join(self.scratch, "modules")
         os.mkdir(modules)
-        env = {key: value for key, value in os.environ.items() if not SECRET_ENV.match(key)}
+        env = without_credentials(os.environ)
         env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.errors = tempfile.TemporaryFile()
         self.started_at = time.time()
