@@ -38,16 +38,17 @@ GiB = 2**30
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 
-def checkpoint(workdir: str, size: str, layout: str, one_rank_at_a_time: bool) -> tuple[str, int]:
-    """The synthetic checkpoint of `size` in `layout` (made once, kept in `workdir`); its path
-    and the bytes of its rank files."""
-    src = os.path.join(workdir, f"ckpt-{size}-{layout}", "global_step_1", "actor")
+def checkpoint(workdir: str, size: str, layout: str, one_rank_at_a_time: bool, conditioned: bool = False) -> tuple[str, int]:
+    """The synthetic checkpoint of `size` in `layout` (made once, kept in `workdir`; see
+    `write_synthetic_checkpoint` for `conditioned`); its path and the bytes of its rank files."""
+    folder = f"ckpt-{size}-{layout}" + ("-conditioned" if conditioned else "")
+    src = os.path.join(workdir, folder, "global_step_1", "actor")
     done = os.path.join(os.path.dirname(src), ".complete")
     if not os.path.exists(done):
         shutil.rmtree(os.path.dirname(os.path.dirname(src)), ignore_errors=True)
         config = sized_llama_config(parse_size(size))
         print(f"writing a {size} {layout} checkpoint ({config.num_hidden_layers} layers) to {src}", flush=True)
-        write_synthetic_checkpoint(config, src, 4, layout=layout, one_rank_at_a_time=one_rank_at_a_time)
+        write_synthetic_checkpoint(config, src, 4, layout=layout, one_rank_at_a_time=one_rank_at_a_time, conditioned=conditioned)
         open(done, "w").close()
     suffix = ".distcp" if layout == "dcp" else ".pt"
     return src, sum(os.path.getsize(os.path.join(src, name)) for name in os.listdir(src) if name.endswith(suffix))

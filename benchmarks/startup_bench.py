@@ -68,17 +68,18 @@ def ray_alone(env: dict) -> dict:
     return {"wall_s": wall, "largest": ("driver", rss)}
 
 
-def rayexport_cli(src: str, out: str, verify: str, bucket: str, report: str, env: dict) -> dict:
-    """One CLI export starting its own Ray: wall seconds, phases, largest process."""
+def rayexport_cli(src: str, out: str, verify: str, bucket: str, report: str, env: dict, options: tuple[str, ...] = ()) -> dict:
+    """One CLI export starting its own Ray, with `options` added: wall seconds, phases, largest
+    process (and the report's verification)."""
     remove(out, None)
     command = [sys.executable, "-m", "rayexport.run", "--src", src, "--dst", out, "--verify", verify,
-               "--bucket-size", bucket, "--report", report, "--log-level", "WARNING"]
+               "--bucket-size", bucket, "--report", report, "--log-level", "WARNING", *options]
     wall, _ = measure(command, env)
     with open(report) as handle:
         result = json.load(handle)
     largest = max(result["peak_rss_bytes"], key=result["peak_rss_bytes"].get)
     return {"wall_s": wall, "seconds": result["seconds"], "largest": (largest, result["peak_rss_bytes"][largest]),
-            "reload_process": result.get("reload_process", {})}
+            "reload_process": result.get("reload_process", {}), "verification": result["verification"]}
 
 
 def verl_merger(src: str, out: str) -> dict:

@@ -87,7 +87,10 @@ def run_on_gpus(check: Any, gpus: float, destination: Store, *arguments: Any) ->
 
 
 def _run_check(check: Any, *arguments: Any) -> dict[str, Any]:
-    return check.run(*arguments)
+    """The check in a Ray task: its result, and the GPUs Ray gave the task."""
+    import ray
+
+    return {**check.run(*arguments), "ray_gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()]}
 
 
 @contextlib.contextmanager

@@ -40,6 +40,14 @@ def attempt(name, **options):
         report(name, error=str(error), seconds=time.monotonic() - started)
 
 
+class SeesDevices:  # a consumer check that reports the devices its process was given
+
+    def run(self, destination, *arguments):
+        import os
+
+        return {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
 @ray.remote(num_gpus=2, num_cpus=0)
 class Trainer:
     def gpus(self):
@@ -53,6 +61,13 @@ try:
            devices=sorted(where["device"] for where in done.placement.values()), gpus_free=ray.available_resources().get("GPU", 0))
     # a fraction of a GPU per worker under auto: gloo on that share
     attempt("fraction", num_gpus_per_worker=0.5)
+
+    # a consumer check asking for a GPU (the vLLM check) runs in a task holding one, if the cluster has that many
+    from rayexport.storage import Store
+    from rayexport.workers import run_on_gpus
+
+    report("check_on_a_gpu", **run_on_gpus(SeesDevices(), 1, Store(root), None, 60, 0, None))
+    report("check_asking_too_many", **run_on_gpus(SeesDevices(), 3, Store(root), None, 60, 0, None))
 
     trainer = Trainer.remote()
     report("trainer", gpus=ray.get(trainer.gpus.remote()))
@@ -98,6 +113,12 @@ def test_a_fraction_of_a_gpu_never_picks_nccl(scenarios):
     result = scenarios["fraction"]
     assert result["backend"] == "gloo" and result["devices"] == ["cpu", "cpu"]
     assert "fraction of a GPU" in result["reason"]
+
+
+def test_a_check_asking_for_a_gpu_runs_in_a_task_holding_one_and_without_enough_here(scenarios):
+    on_gpu = scenarios["check_on_a_gpu"]
+    assert len(on_gpu["ray_gpu_ids"]) == 1 and on_gpu["cuda_visible_devices"] == on_gpu["ray_gpu_ids"][0]
+    assert "ray_gpu_ids" not in scenarios["check_asking_too_many"]  # run here, in the caller, on no GPU of Ray's
 
 
 def test_auto_counts_the_free_gpus_not_the_total(scenarios):

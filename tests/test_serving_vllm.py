@@ -26,11 +26,11 @@ from rayexport.verification.serving.vllm_check import VllmServe
 from support.checkpoints import VerlJob, write_format_checkpoints, write_verl_checkpoints
 from support.helpers import error_lines, run_main, s3_exists
 from support.models import LORA, serving_config
+from support.virtualenvs import VLLM_CACHE
 from support.vllm_env import vllm_python as build_vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_address")]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE = [("qwen3_moe", naming, "verl") for naming in ("in-memory", "on-disk")]
 # case: (checkpoint, export options); the LoRA run's float32 training config publishes in bfloat16
 CASES = {
@@ -44,7 +44,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def vllm_python():
-    return build_vllm_python(os.path.join(REPO, ".venv-vllm"))
+    return build_vllm_python(VLLM_CACHE)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from support.helpers import error_lines, run_main
 from support.models import PROMPT_IDS
 from support.torchtitan_env import torchtitan_python
+from support.virtualenvs import TORCHTITAN_CACHE
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -39,7 +40,7 @@ LOGITS_ATOL = {"qwen3_moe": 1e-3}
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    python = torchtitan_python(os.path.join(REPO, ".venv-torchtitan"))
+    python = torchtitan_python(TORCHTITAN_CACHE)
     root = tmp_path_factory.mktemp("torchtitan")
     folders = {}
     for name, (model, tying, save, dtype) in CASES.items():

@@ -323,17 +323,22 @@ def write_format_checkpoints(
 # --- random weights of any size ------------------------------------------------------------------
 
 
-def write_synthetic_checkpoint(config, out_dir: str, world_size: int = 4, layout: str = "verl", one_rank_at_a_time: bool = False) -> int:
+def write_synthetic_checkpoint(
+    config, out_dir: str, world_size: int = 4, layout: str = "verl", one_rank_at_a_time: bool = False,
+    conditioned: bool = False,
+) -> int:
     """An FSDP2 checkpoint of random weights for `config`, written by `world_size` gloo ranks,
     each creating only its own Shard(0) slices (no process holds the model): verl rank files, or
     with `layout="dcp"` a DCP checkpoint (model state under "model."). `one_rank_at_a_time`
     (verl) has the ranks make and save their slices in turn, so that only one rank's share is
-    in memory at once (a checkpoint larger than this machine's memory). Returns the bytes of its
-    rank files."""
+    in memory at once (a checkpoint larger than this machine's memory). Weights are standard
+    normal, or with `conditioned` as a model is initialised (matrices of std 0.02, vectors of
+    ones), whose forward pass two engines compute alike (standard normal weights through many
+    layers make every rounding difference grow). Returns the bytes of its rank files."""
     if layout == "dcp" and one_rank_at_a_time:
         raise ValueError("a DCP checkpoint is saved by every rank at once")
     os.makedirs(out_dir, exist_ok=True)
-    run_gloo_ranks(world_size, _save_synthetic_rank, config, out_dir, layout, one_rank_at_a_time)
+    run_gloo_ranks(world_size, _save_synthetic_rank, config, out_dir, layout, one_rank_at_a_time, conditioned)
     write_hf_folder(config, os.path.join(out_dir, "huggingface"))
     if layout == "dcp":
         return sum(os.path.getsize(os.path.join(out_dir, name)) for name in os.listdir(out_dir) if name.endswith(".distcp"))
@@ -341,21 +346,24 @@ def write_synthetic_checkpoint(config, out_dir: str, world_size: int = 4, layout
     return sum(os.path.getsize(os.path.join(out_dir, rank_file_name(world_size, rank))) for rank in range(world_size))
 
 
-def _save_synthetic_rank(rank: int, world_size: int, config, out_dir: str, layout: str, one_rank_at_a_time: bool) -> None:
+def _save_synthetic_rank(
+    rank: int, world_size: int, config, out_dir: str, layout: str, one_rank_at_a_time: bool, conditioned: bool,
+) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
     for turn in range(world_size) if one_rank_at_a_time else [rank]:
         if turn == rank:
-            state = _synthetic_shards(rank, world_size, mesh, config)
+            state = _synthetic_shards(rank, world_size, mesh, config, conditioned)
             save_rank_state({"model": state} if layout == "dcp" else state, out_dir, rank, world_size, layout)
             del state
         dist.barrier()
 
 
-def _synthetic_shards(rank: int, world_size: int, mesh, config) -> dict[str, torch.Tensor]:
-    """This rank's Shard(0) slice of every tensor of `config`'s model, random."""
+def _synthetic_shards(rank: int, world_size: int, mesh, config, conditioned: bool) -> dict[str, torch.Tensor]:
+    """This rank's Shard(0) slice of every tensor of `config`'s model, random (see
+    `write_synthetic_checkpoint` for `conditioned`)."""
     from torch.distributed.tensor import DTensor, Shard
 
     from rayexport.model import build_meta_model, expected_tensors
@@ -366,7 +374,10 @@ def _synthetic_shards(rank: int, world_size: int, mesh, config) -> dict[str, tor
     for name, (shape, _) in sorted(expected_tensors(build_meta_model(config, False)).items()):
         rows = math.ceil(shape[0] / world_size)
         start, stop = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
-        local = torch.randn((stop - start, *shape[1:]), generator=generator).to(dtype)
+        local = torch.randn((stop - start, *shape[1:]), generator=generator)
+        if conditioned:
+            local = local.mul_(0.02) if len(shape) > 1 else torch.ones_like(local)
+        local = local.to(dtype)
         stride = tuple(math.prod(shape[dim + 1:]) for dim in range(len(shape)))
         state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
     return state

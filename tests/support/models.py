@@ -156,7 +156,27 @@ def serving_config(kind: str):
         return config
     if kind == "qwen2-head16":
         return tiny_config("qwen2-tied", **dict(SERVING, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    if kind in FAMILIES:
+        config_class, settings = FAMILIES[kind]
+        config = getattr(transformers, config_class)(**dict(SERVING, **settings))
+        config.architectures = [config_class.replace("Config", "ForCausalLM")]
+        return config
     return tiny_config(kind, **SERVING, intermediate_size=128)
+
+
+# More families for benchmarks/vllm_families.py (DeepSeek-V3: vLLM reads `topk_method` and
+# `scoring_func`, which transformers' config does not write).
+FAMILIES = {
+    "qwen3": ("Qwen3Config", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                      tie_word_embeddings=False)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=32,
+        qk_nope_head_dim=32, v_head_dim=32, tie_word_embeddings=False, topk_method="noaux_tc", scoring_func="sigmoid",
+    )),
+}
 
 
 def model_of(config) -> torch.nn.Module:

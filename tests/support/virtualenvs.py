@@ -11,6 +11,9 @@ import sys
 from typing import Callable
 
 TORCH = "torch==2.13.0"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Where the tests keep each virtualenv (git ignores both).
+TORCHTITAN_CACHE, VLLM_CACHE = os.path.join(REPO, ".venv-torchtitan"), os.path.join(REPO, ".venv-vllm")
 
 
 def cached_virtualenv(cache_dir: str, name: str, install: Callable[[list[str]], None]) -> str:
@@ -44,3 +47,17 @@ def share_torch(python: str) -> None:
     ).stdout.strip()
     with open(os.path.join(own, "shared-torch.pth"), "w") as handle:
         handle.write(shared + "\n")
+
+
+def build_all() -> None:
+    """Every virtualenv the tests use: `python tests/support/virtualenvs.py`, which CI starts
+    beside the tests so that the builds overlap them (a test needing one waits for its build)."""
+    from support.torchtitan_env import torchtitan_python
+    from support.vllm_env import vllm_python
+
+    print(vllm_python(VLLM_CACHE), torchtitan_python(TORCHTITAN_CACHE), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `support`'s parent
+    build_all()

