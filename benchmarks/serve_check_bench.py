@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 from scale_bench import checkpoint
 from startup_bench import rayexport_cli, walls
@@ -67,7 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    started = time.perf_counter()
-    code = main()
-    print(f"\nbenchmark: {time.perf_counter() - started:.0f} s")
-    sys.exit(code)
+    sys.exit(main())

@@ -23,12 +23,14 @@ class Tolerance:
     logprob: float
 
 
-# Measured on this project's exports (vLLM 0.32 on CPU against transformers): float32 within
-# 1e-6; in bfloat16 a near-tie may go either way (every token within 0.03 of the top choice).
+# Fitted to this project's exports (vLLM 0.32 on CPU against transformers, benchmarks/
+# vllm_families.py): in float32 the logprobs agree within 1.4e-5; in bfloat16 a near-tie may go
+# either way and a tiny MoE's logprobs part by up to 0.31 while its float32 export agrees within
+# 1e-5 (a missing weight moves them by several units). float16 is not measured: as bfloat16.
 TOLERANCES = {
     "float32": Tolerance(top=1e-3, logprob=1e-3),
-    "bfloat16": Tolerance(top=0.1, logprob=0.2),
-    "float16": Tolerance(top=0.05, logprob=0.1),
+    "bfloat16": Tolerance(top=0.1, logprob=0.5),
+    "float16": Tolerance(top=0.1, logprob=0.5),
 }
 
 
