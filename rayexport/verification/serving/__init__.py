@@ -1,7 +1,7 @@
 """The serve check: a serving engine (vLLM) builds the model from the export as written and
 generates from it, and every token it generates must be transformers' top choice on the same
 prefix. It is opt-in (`--serve-check vllm`) and runs after the transformers reload, as the
-second of the verification's consumer checks (`vllm.VllmServe`).
+second of the verification's consumer checks (`vllm_check.VllmServe`).
 
 vLLM pins its own torch and transformers, so the check runs in a process of the Python that has
 it (`ServeRequest.python`: the cluster's own by default), without storage credentials, on the

@@ -17,7 +17,7 @@ from rayexport.storage import Store
 from rayexport.verification import VerificationError
 from rayexport.verification.consumer_check import ConsumerCheck
 from rayexport.verification.expected import ExpectedExport
-from rayexport.verification.reload.parent import export_files, without_credentials
+from rayexport.verification.reload.parent import stage_export, without_credentials
 from rayexport.verification.serving import VLLM
 from rayexport.verification.serving.comparison import GENERATED_TOKENS, compare_sequences, fixed_prompts, model_length
 
@@ -55,7 +55,7 @@ class VllmServe(ConsumerCheck):
         started = time.perf_counter()
         scratch = tempfile.mkdtemp(prefix="rayexport-vllm-")
         try:
-            folder = destination.path() if destination.is_local else stage_whole_export(destination, os.path.join(scratch, "export"))
+            folder = stage_export(destination, set(), os.path.join(scratch, "export"))  # every file: the engine reads a folder
             outcome = run_child(python, folder, scratch, expected.trust_remote_code, timeout_s)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -64,15 +64,6 @@ class VllmServe(ConsumerCheck):
         found = outcome["result"]
         compared = compare_sequences(found.pop("sequences"), found["dtype"])
         return {**found, **compared, "seconds": round(time.perf_counter() - started, 3)}
-
-
-def stage_whole_export(store: Store, folder: str) -> str:
-    """A copy of every file of the remote export at `store` in the local `folder` (the engine
-    reads a local folder); the check's scratch folder, removed after it."""
-    for name in export_files(store):
-        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
-        store.download(name, os.path.join(folder, name))
-    return folder
 
 
 def run_child(python: str, folder: str, scratch: str, trust_remote_code: bool, timeout_s: float) -> dict[str, Any]:
