@@ -64,7 +64,7 @@ def largest(path: str) -> tuple[int, int]:
 def worker_shares(path: str, workers: int) -> dict[str, int]:
     """Bytes of tensors each worker reads (an untied model: no ties to keep together)."""
     from rayexport.layouts.dcp import assign_tensors, find_dcp_checkpoint
-    from rayexport.storage import Store
+    from rayexport.storage.store import Store
 
     checkpoint = find_dcp_checkpoint(Store(path))
     return {
@@ -98,7 +98,7 @@ def upload(path: str) -> str:
 
 def export_memory(source: str, out: str, workers: int, bucket: int) -> dict[str, int]:
     """Working memory of each worker exporting `source`."""
-    from rayexport.job import export
+    from rayexport.orchestration.job import export
 
     report = export(
         source, out, workers=workers, bucket_size=bucket, max_shard_size="64MB", verify="none", dtype="float32",
@@ -113,7 +113,7 @@ def read_times(path: str, spool_dir: str) -> dict[str, float]:
 
     from rayexport.layouts.dcp import find_dcp_checkpoint, read_tensors
     from rayexport.layouts.mapped import release_pages
-    from rayexport.storage import Store
+    from rayexport.storage.store import Store
 
     store = Store(path)
     checkpoint = find_dcp_checkpoint(store)

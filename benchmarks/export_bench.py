@@ -147,13 +147,13 @@ def transport_bench(megabytes: int, repeats: int) -> dict[str, float]:
             self.rank = rank
 
         def address(self) -> tuple[str, int]:
-            from rayexport import transport
+            from rayexport.transport import gather as transport
 
             self.store = transport.open_rendezvous("127.0.0.1", 120)
             return "127.0.0.1", self.store.port
 
         def join(self, host: str, port: int) -> None:
-            from rayexport import transport
+            from rayexport.transport import gather as transport
 
             transport.join_group("gloo", self.rank, 2, host, port, 120, store=getattr(self, "store", None))
 
@@ -218,7 +218,7 @@ def startup_bench(src: str, out: str, workers: int, exports: int) -> dict[str, l
 
 
 def parse_size(text: str) -> int:
-    from rayexport.options import parse_size as parse
+    from rayexport.orchestration.options import parse_size as parse
 
     return parse(text)
 

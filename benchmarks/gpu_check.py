@@ -29,11 +29,11 @@ from multiprocessing import get_context
 
 import torch
 
-from rayexport.group import WorkerGroup
-from rayexport.job import run_export
-from rayexport.options import ExportOptions
-from rayexport.placement import Devices
-from rayexport.workers import ExportWorker
+from rayexport.orchestration.group import WorkerGroup
+from rayexport.orchestration.job import run_export
+from rayexport.orchestration.options import ExportOptions
+from rayexport.orchestration.placement import Devices
+from rayexport.orchestration.workers import ExportWorker
 
 MiB = 2**20
 
@@ -156,7 +156,7 @@ class ProcessWorkerGroup(WorkerGroup):
 def staging_round_trip(capacity: int = 64 * MiB) -> dict:
     """One staging slot through host -> GPU -> host on the worker's own stream: the bytes come
     back, the host buffer is pinned, and the GPU held the slot's buffer and no more."""
-    from rayexport.transport import Staging
+    from rayexport.transport.gather import Staging
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

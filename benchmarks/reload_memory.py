@@ -27,7 +27,7 @@ def write_export(folder: str, gb: float, dtype: str) -> int:
     returns the bytes of its weights."""
     import torch
 
-    from rayexport.model import model_class
+    from rayexport.model.description import model_class
     from support.models import sized_llama_config, write_hf_folder
 
     config = sized_llama_config(int(gb * 1e9), hidden_size=1024, vocab_size=32000, dtype=dtype)
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--bound-mib", type=int, default=256, help="memory bound of the streamed reload (default 256)")
     args = parser.parse_args()
 
-    from rayexport.storage import Store
+    from rayexport.storage.store import Store
     from rayexport.verification.expected import ExpectedExport
     from rayexport.verification.reload.parent import check_reload
 

@@ -42,7 +42,11 @@ from typing import Callable
 import psutil
 from export_bench import free_port
 
-from rayexport.storage import DOWNLOAD_BLOCK, Store, storage_options_from_env
+from rayexport.storage.store import Store
+
+from rayexport.storage.settings import storage_options_from_env
+
+from rayexport.storage.reads import DOWNLOAD_BLOCK
 
 BUCKET = "throughput"
 MiB = 2**20

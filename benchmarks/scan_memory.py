@@ -5,7 +5,7 @@
 
 Each measurement runs in a fresh process and reports its peak RSS above the two tensors it
 holds: the baseline upcasts both tensors to float64 whole (what the tie check did before it
-was chunked); `rayexport.scan` goes a bounded chunk at a time. Nothing here asserts a number.
+was chunked); `rayexport.common.scan` goes a bounded chunk at a time. Nothing here asserts a number.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 MEASURE = """
 import resource, sys, time, torch
-from rayexport.scan import max_abs_difference
+from rayexport.common.scan import max_abs_difference
 elements = {mib} * 2**20 // 4
 first = torch.randn(elements)
 second = first + 0.25 if "{case}" == "differ" else first.clone()

@@ -55,7 +55,7 @@ print(json.dumps(runs))
 
 RAY_ALONE = """
 import ray
-from rayexport.session import local_ray_settings
+from rayexport.orchestration.session import local_ray_settings
 ray.init(**local_ray_settings("WARNING"))
 ray.shutdown()
 """

@@ -228,13 +228,13 @@ def main() -> int:
         "--report", report,
     ], ray_env, work)
     with open(report) as f:
-        rayexport.report = json.load(f)
+        rayexport.orchestration.report = json.load(f)
 
     comparison = compare(os.path.join(work, "out-convert_to_hf"), os.path.join(work, "out-rayexport"))
     runs = [titan, rayexport]
     print()
     print(table(runs, comparison))
-    stages = rayexport.report["seconds"]
+    stages = rayexport.orchestration.report["seconds"]
     print(f"\nrayexport stages (s): {', '.join(f'{k} {v:.1f}' for k, v in stages.items())}")
     print("load average (1 min) before/after each measured run: "
           + ", ".join(f"{r.tool} {r.load_before:.1f}/{r.load_after:.1f}" for r in runs)

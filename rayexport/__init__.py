@@ -9,12 +9,12 @@ import importlib
 from typing import Any
 
 _MODULE_OF = {
-    "ExportError": "rayexport.errors",
+    "ExportError": "rayexport.common.errors",
     "ExportFailed": "rayexport.remote",
-    "ExportOptions": "rayexport.options",
-    "ExportReport": "rayexport.report",
-    "close_pool": "rayexport.pool",
-    "export": "rayexport.job",
+    "ExportOptions": "rayexport.orchestration.options",
+    "ExportReport": "rayexport.orchestration.report",
+    "close_pool": "rayexport.orchestration.pool",
+    "export": "rayexport.orchestration.job",
     "export_remote": "rayexport.remote",
 }
 __all__ = sorted(_MODULE_OF)

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from rayexport.layouts.verl import rank_file_name
-from rayexport.report import timed_stage
+from rayexport.orchestration.report import timed_stage
 
 # How long a writer rank waits for the others (to join, or at a collective) before failing
 # instead of hanging: long enough for the largest benchmark checkpoint's ranks, which write
@@ -172,8 +172,8 @@ def run_demo(
 ) -> "ExportReport":  # noqa: F821
     """Write a tiny tied-embedding FSDP2 checkpoint with 2 gloo ranks, export and verify it
     (`seconds`: as `run_export` takes it)."""
-    from rayexport.job import run_export
-    from rayexport.options import ExportOptions
+    from rayexport.orchestration.job import run_export
+    from rayexport.orchestration.options import ExportOptions
 
     root = tempfile.mkdtemp(prefix="rayexport-demo-")
     source = os.path.join(root, "global_step_1", "actor")

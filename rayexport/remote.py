@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rayexport.errors import ExportError, one_line
-from rayexport.options import ExportOptions
+from rayexport.common.errors import ExportError, one_line
+from rayexport.orchestration.options import ExportOptions
 
 
 class ExportFailed(ExportError):
@@ -56,7 +56,7 @@ def export_remote(src: str, dst: str, *, max_concurrent: int | None = None, **op
 def _run_remote_export(options: ExportOptions, limiter):
     import ray
 
-    from rayexport.job import run_export
+    from rayexport.orchestration.job import run_export
 
     if limiter is not None:
         ray.get(limiter.acquire.remote())

@@ -8,9 +8,9 @@ import logging
 import os
 import sys
 
-from rayexport.errors import ExportError, print_error
-from rayexport.options import ExportOptions, add_option_arguments, options_from_arguments
-from rayexport.session import command_line_session, starts_own_ray
+from rayexport.common.errors import ExportError, print_error
+from rayexport.orchestration.options import ExportOptions, add_option_arguments, options_from_arguments
+from rayexport.orchestration.session import command_line_session, starts_own_ray
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
 
                 report = run_demo(destination, seconds=seconds, **options)
             else:
-                from rayexport.job import run_export
+                from rayexport.orchestration.job import run_export
 
                 report = run_export(ExportOptions(src=source, dst=destination, **options), seconds=seconds)
     except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
@@ -93,7 +93,7 @@ def refuse_missing_local_source(source: str) -> None:
 
 def watch_command(args: argparse.Namespace, options: dict) -> int:
     """`--watch PREFIX`: one pass with --once (exit 1 if an export failed), else poll."""
-    from rayexport.storage import storage_options_from_env
+    from rayexport.storage.settings import storage_options_from_env
     from rayexport.watch import watch, watch_once
 
     storage_options = storage_options_from_env(options.pop("storage_options"))
@@ -110,7 +110,8 @@ def watch_command(args: argparse.Namespace, options: dict) -> int:
 
 def cleanup(uri: str, storage_options: dict) -> int:
     """`--cleanup DST`: abort the multipart uploads a killed export left under DST."""
-    from rayexport.storage import Store, storage_options_from_env
+    from rayexport.storage.store import Store
+    from rayexport.storage.settings import storage_options_from_env
 
     try:
         aborted = Store(uri, storage_options_from_env(storage_options)).abort_uploads()

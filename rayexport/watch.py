@@ -18,10 +18,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from rayexport.errors import ExportError, one_line
+from rayexport.common.errors import ExportError, one_line
 from rayexport.layouts import registry
-from rayexport.manifest import read_manifest
-from rayexport.storage import Store
+from rayexport.transport.manifest import read_manifest
+from rayexport.storage.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def watch_once(
     A checkpoint is complete when its last-written file exists and its files do not change
     over `settle_s` seconds. Returns what happened to each candidate.
     """
-    from rayexport.job import export
+    from rayexport.orchestration.job import export
     owner = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     exclusive = None  # probed at the pass's first claim
     results = []

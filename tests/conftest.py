@@ -49,10 +49,10 @@ def ray_address(s3_endpoint, request):
     workers see them); CLI subprocesses join it through RAY_ADDRESS. It advertises no GPUs even
     on a GPU machine, so `--backend auto` means gloo here everywhere; the GPU cases start Ray
     of their own (test_gpu_cluster.py, test_gpu.py). It starts as the command line starts its
-    own (`rayexport.session.local_ray_settings`). Where its logs are goes to the terminal."""
+    own (`rayexport.orchestration.session.local_ray_settings`). Where its logs are goes to the terminal."""
     import ray
 
-    from rayexport.session import local_ray_settings
+    from rayexport.orchestration.session import local_ray_settings
 
     ray.init(num_cpus=8, num_gpus=0, **local_ray_settings("WARNING"))
     address = ray.get_runtime_context().gcs_address

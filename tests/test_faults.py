@@ -18,10 +18,10 @@ import time
 import pytest
 import s3fs
 
-from rayexport import spool
-from rayexport.errors import ExportError
-from rayexport.job import export
-from rayexport.manifest import MANIFEST_NAME
+from rayexport.orchestration import spool
+from rayexport.common.errors import ExportError
+from rayexport.orchestration.job import export
+from rayexport.transport.manifest import MANIFEST_NAME
 from rayexport.verify import verify_uri
 from support.checkpoints import write_synthetic_checkpoint
 from support.fault_proxy import FaultProxy

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from rayexport.transport import WINDOW, Staging
+from rayexport.transport.gather import WINDOW, Staging
 
 pytestmark = [
     pytest.mark.gpu,

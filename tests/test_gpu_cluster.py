@@ -63,8 +63,8 @@ try:
     attempt("fraction", num_gpus_per_worker=0.5)
 
     # a consumer check asking for a GPU (the vLLM check) runs in a task holding one, if the cluster has that many
-    from rayexport.storage import Store
-    from rayexport.workers import run_on_gpus
+    from rayexport.storage.store import Store
+    from rayexport.orchestration.workers import run_on_gpus
 
     report("check_on_a_gpu", **run_on_gpus(SeesDevices(), 1, Store(root), None, 60, 0, None))
     report("check_asking_too_many", **run_on_gpus(SeesDevices(), 3, Store(root), None, 60, 0, None))

@@ -16,23 +16,23 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
-from rayexport.errors import ExportError
-from rayexport.job import export
+from rayexport.common.errors import ExportError
+from rayexport.orchestration.job import export
 from rayexport.layouts.dcp import find_dcp_checkpoint, read_file_chunks, read_tensors
 from rayexport.layouts.dcp_spool import _chunk_is_finite, spool_offsets
 from rayexport.layouts.dcp_metadata import DCP_METADATA
 from rayexport.layouts.registry import detect_layout, snapshot
 from rayexport.plan.schedule import assign_by_bytes
-from rayexport.layouts.shards import ShardInfo
-from rayexport.scan import CHUNK_ELEMENTS
-from rayexport.storage import Store
+from rayexport.plan.shards import ShardInfo
+from rayexport.common.scan import CHUNK_ELEMENTS
+from rayexport.storage.store import Store
 from support.checkpoints import DcpJob, write_dcp_checkpoint, write_dcp_checkpoints
 from support.helpers import BUCKET, upload
 from support.models import sized_llama_config
 
 MiB = 2**20
 BUCKET_SIZE = 8 * MiB
-# As tests/test_workers.py allows a worker reading verl rank files: allocator slack, the writer
+# As tests/test_orchestration_workers.py allows a worker reading verl rank files: allocator slack, the writer
 # thread's arena, Python objects.
 HEADROOM = 40 * MiB
 

@@ -15,16 +15,16 @@ from safetensors.torch import save_file
 from test_storage_nodes import FolderNodes
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.hf_sharded import find_sharded_checkpoint
 from rayexport.layouts.mapped import mapped_ranges
 from rayexport.layouts.registry import detect_layout, find_checkpoint, snapshot
-from rayexport.model import hf_folder
-from rayexport.nodes import files_below
+from rayexport.model.description import hf_folder
+from rayexport.orchestration.nodes import files_below
 from rayexport.plan.pieces import tensor_pieces
-from rayexport.storage import Store
-from rayexport.storage_nodes import NodeFiles, node_labels, spread_store
+from rayexport.storage.store import Store
+from rayexport.storage.nodes import NodeFiles, node_labels, spread_store
 from support.models import tiny_config, write_hf_folder
 
 RANK_FILES = (

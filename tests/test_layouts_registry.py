@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from support.helpers import folder_with
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.registry import LAYOUT_NAMES, LAYOUTS, detect_layout, find_checkpoint, layout_named, snapshot
 

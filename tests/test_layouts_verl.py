@@ -9,9 +9,9 @@ import json
 import pytest
 from support.plan_cases import EMBED, NORM, extent_info, fsdp2_ranks
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.layouts.verl import find_verl_checkpoint, spans
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 
 
 def verl_folder(folder, world_size: int, ranks=None, fsdp_config: dict | None = None, hf: bool = True) -> Store:

@@ -22,7 +22,7 @@ cluster.add_node(num_cpus=1)
 cluster.wait_for_nodes()
 ray.init(address=cluster.address, logging_level="WARNING")
 try:
-    from rayexport.job import export
+    from rayexport.orchestration.job import export
 
     report = export(sys.argv[1], sys.argv[2], workers=2, verify="quick")
     print("REPORT " + json.dumps({"nodes": {worker: where["node"] for worker, where in report.placement.items()}, "cluster_nodes": len(ray.nodes()),

@@ -165,7 +165,7 @@ def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_fol
     nodes_used = {where["node"] for where in split_report["placement"].values()}
     assert len(nodes_used) == 2, split_report["placement"]  # each node's files read there
     if layout == "verl":  # the CLI's log says, per node, what it reads and which worker
-        reading = re.findall(r"rayexport.group: node (.+): worker\(s\) ([\d, ]+) read (.+)", split.stderr)
+        reading = re.findall(r"rayexport.orchestration.group: node (.+): worker\(s\) ([\d, ]+) read (.+)", split.stderr)
         assert len(reading) == 2, split.stderr[-3000:]
     exported = safetensors_bytes(str(nodes["root"] / f"split-{layout}"))
     assert exported and exported == safetensors_bytes(holding(nodes, "out")[0])

@@ -1,13 +1,14 @@
-"""The package's shape, read from its source alone (ast; nothing is imported): no import cycle,
-no module importing one from a higher layer, no module over 400 lines, no function over 80.
+"""The package's shape, read from its source alone (ast; nothing is imported): its folders are
+its layers, no module imports one from a higher layer, no import cycle, no module over 400
+lines, no function over 80, and only the entry points at the root.
 
-Modules are found in the tree when the test runs, and every one must be given a layer in LAYERS,
-so a new module forces a decision about where it belongs."""
+A module's layer is the folder of `rayexport/` it sits in (the root's modules are the entry
+points, the top); LAYERS orders the folders, and every folder on disk must be in it, so a new
+folder forces a decision about where it belongs."""
 
 from __future__ import annotations
 
 import ast
-import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,36 +18,21 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 PACKAGE = "rayexport"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
+MAX_ROOT_MODULES = 8
+ROOT = ""
 
-# Lowest first. A module may import modules of its own layer and of lower ones, never of a higher
-# one. Patterns are fnmatch's, matched against dotted module names (`*` spans dots too); a
-# package's `__init__.py` is the package's own name.
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", (
-        "rayexport.errors", "rayexport.dtypes", "rayexport.memory", "rayexport.scan", "rayexport.names",
-        "rayexport.report", "rayexport.levels",
-    )),
-    ("storage", ("rayexport.storage", "rayexport.storage.*", "rayexport.storage_*")),
-    # what every reader reports and the protocol layouts implement, below the planning that reads it
-    ("sources", (
-        "rayexport.layouts.shards", "rayexport.layouts.mapped", "rayexport.layouts.base", "rayexport.layouts.dcp_metadata",
-    )),
-    ("planning", (
-        "rayexport.plan", "rayexport.plan.*", "rayexport.ties", "rayexport.lora", "rayexport.conversion",
-        "rayexport.remote_code", "rayexport.model",
-    )),
-    # the layouts themselves: each spreads its checkpoint over the workers with planning's schedule
-    ("layouts", ("rayexport.layouts", "rayexport.layouts.*")),
-    ("transport and writing", ("rayexport.assembly", "rayexport.transport", "rayexport.writer", "rayexport.manifest")),
-    ("verification", ("rayexport.verification", "rayexport.verification.*")),
-    ("orchestration", (
-        "rayexport.options", "rayexport.placement", "rayexport.pool", "rayexport.spool", "rayexport.workers",
-        "rayexport.group", "rayexport.waits", "rayexport.session", "rayexport.nodes", "rayexport.export_plan", "rayexport.job",
-    )),
-    ("entry points", (
-        "rayexport", "rayexport.__main__", "rayexport.run", "rayexport.remote", "rayexport.watch",
-        "rayexport.verify", "rayexport.demo",
-    )),
+# The layers, lowest first, each a folder of the package (ROOT: its own modules). A module may
+# import modules of its own layer and of lower ones, never of a higher one.
+LAYERS: tuple[tuple[str, str], ...] = (
+    ("common", "what every layer uses: the error type, dtype names, verification levels, memory, bounded scans"),
+    ("storage", "fsspec URIs, commit-or-discard writes, retrying reads, S3, node-local disks"),
+    ("plan", "pure planning over what readers report: pieces, names, ties, LoRA, formats, files, buckets"),
+    ("model", "the Hugging Face model: its folder, config and meta-device model, its on-disk format, remote code"),
+    ("layouts", "the readers: what a checkpoint holds and how a worker reads its part"),
+    ("transport", "assembly, the gather, the safetensors writer and the manifest"),
+    ("verification", "the checks before the commit, and the consumer checks"),
+    ("orchestration", "options, Ray: placement, workers, the group, pools, the export's steps and report"),
+    (ROOT, "the entry points: python -m rayexport.run / .verify, export_remote, the watcher, the demo"),
 )
 
 
@@ -139,23 +125,27 @@ def _longest_known_prefix(name: str, known: set[str]) -> str | None:
     return None
 
 
-def layer_of(name: str, layers=LAYERS) -> list[int]:
-    """The indices of the layers that claim the module `name` (one, when the table is right): a
-    layer naming it exactly, else those whose wildcard patterns match it."""
-    named = [index for index, (_, patterns) in enumerate(layers) if name in patterns]
-    return named or [
-        index for index, (_, patterns) in enumerate(layers) if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+def layer_of(module: "Module", root: Path) -> str:
+    """The layer of `module`: the folder of the package root `root` that holds it, or ROOT."""
+    parts = module.path.relative_to(root).parts
+    return parts[0] if len(parts) > 1 else ROOT
+
+
+def layer_index(layers=LAYERS) -> dict[str, int]:
+    return {name: index for index, (name, _) in enumerate(layers)}
+
+
+def unlisted_folders(root: Path, layers=LAYERS) -> list[str]:
+    """The package's folders that LAYERS does not order, and the layers with no folder on disk."""
+    on_disk = {path.name for path in root.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    listed = {name for name, _ in layers if name != ROOT}
+    return [f"{root / name}: a folder with no place in LAYERS" for name in sorted(on_disk - listed)] + [
+        f"{name}: in LAYERS but not a folder of {root}" for name in sorted(listed - on_disk)
     ]
 
 
-def unassigned_modules(modules: dict[str, Module], layers=LAYERS) -> list[str]:
-    """The modules that no layer, or more than one, claims."""
-    problems = []
-    for name in sorted(modules):
-        claims = [layers[index][0] for index in layer_of(name, layers)]
-        if len(claims) != 1:
-            problems.append(f"{name} ({modules[name].where(1)}): " + (f"claimed by {', '.join(claims)}" if claims else "no layer"))
-    return problems
+def root_modules(modules: list["Module"], root: Path) -> list["Module"]:
+    return [module for module in modules if layer_of(module, root) == ROOT]
 
 
 def import_cycles(imports: list[Import]) -> list[str]:
@@ -214,16 +204,16 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
     return components
 
 
-def upward_imports(imports: list[Import], layers=LAYERS) -> list[str]:
-    """Each import of a module from a higher layer than the importer's (modules without exactly
-    one layer are `unassigned_modules`' to report)."""
+def upward_imports(imports: list[Import], modules: dict[str, "Module"], root: Path, layers=LAYERS) -> list[str]:
+    """Each import of a module from a higher layer than the importer's."""
+    order = layer_index(layers)
     problems = []
     for edge in imports:
-        own, target = layer_of(edge.module.name, layers), layer_of(edge.target, layers)
-        if len(own) == 1 and len(target) == 1 and target[0] > own[0]:
+        own, target = layer_of(edge.module, root), layer_of(modules[edge.target], root)
+        if order[target] > order[own]:
             problems.append(
-                f"{edge.module.where(edge.line)} {edge.module.name} ({layers[own[0]][0]}) imports "
-                f"{edge.target} ({layers[target[0]][0]}): {edge.written}"
+                f"{edge.module.where(edge.line)} {edge.module.name} ({own or 'root'}) imports "
+                f"{edge.target} ({target or 'root'}): {edge.written}"
             )
     return problems
 
@@ -270,8 +260,13 @@ def modules() -> list[Module]:
     return find_modules(REPOSITORY / PACKAGE, PACKAGE)
 
 
-def test_every_module_has_one_layer(modules):
-    _fail_listing(unassigned_modules(importable(modules)), "module(s) without exactly one layer in LAYERS")
+def test_every_folder_is_a_layer():
+    _fail_listing(unlisted_folders(REPOSITORY / PACKAGE), "folder(s) and layer(s) that do not match")
+
+
+def test_the_root_holds_only_a_few_modules(modules):
+    names = [module.name for module in root_modules(modules, REPOSITORY / PACKAGE)]
+    assert len(names) <= MAX_ROOT_MODULES, f"{len(names)} modules at the package's root: {', '.join(names)}"
 
 
 def test_no_module_is_shadowed_by_a_package(modules):
@@ -283,8 +278,12 @@ def test_the_import_graph_has_no_cycle(modules):
 
 
 def test_no_module_imports_a_higher_layer(modules):
-    layers = " -> ".join(name for name, _ in LAYERS)
-    _fail_listing(upward_imports(all_imports(importable(modules), PACKAGE)), f"upward import(s), layers lowest first: {layers}")
+    layers = " -> ".join(name or "root" for name, _ in LAYERS)
+    chosen = importable(modules)
+    _fail_listing(
+        upward_imports(all_imports(chosen, PACKAGE), chosen, REPOSITORY / PACKAGE),
+        f"upward import(s), layers lowest first: {layers}",
+    )
 
 
 def test_no_module_is_over_the_limit(modules):
@@ -298,32 +297,38 @@ def test_no_function_is_over_the_limit(modules):
 def test_the_checks_find_what_they_guard_against(tmp_path):
     """The checks on a small package of known faults: a relative import and one inside a
     function both count, a cycle is named with its imports, a module beside a package of its
-    name is found, a decorator is not counted."""
+    name is found, a folder LAYERS lacks is named, a decorator is not counted."""
     root = tmp_path / "pkg"
-    (root / "sub").mkdir(parents=True)
+    for folder in ("low", "high", "stray"):
+        (root / folder).mkdir(parents=True)
     sources = {
         "__init__.py": "",
-        "low.py": "def f():\n    from pkg import high\n",
-        "high.py": "from .low import f\n",
-        "sub/__init__.py": "from . import leaf\n",
-        "sub/leaf.py": "from .. import low\n" + "@staticmethod\n" * 5 + "def g():\n" + "    pass\n" * 3,
-        "stray.py": "x = 1\n" * 12,
-        "sub.py": "",
+        "top.py": "from pkg.high import h\n",
+        "low/__init__.py": "from . import leaf\n",
+        "low/leaf.py": "def f():\n    from pkg.high import h\n" + "@staticmethod\n" * 5 + "def g():\n" + "    pass\n" * 3,
+        "high/__init__.py": "",
+        "high/h.py": "from ..low.leaf import f\n" + "x = 1\n" * 12,
+        "stray/__init__.py": "",
+        "low.py": "",
     }
     for name, text in sources.items():
         (root / name).write_text(text)
-    layers = (("low", ("pkg.low", "pkg.sub", "pkg.sub.*")), ("high", ("pkg", "pkg.high")))
+    layers = (("low", ""), ("high", ""), (ROOT, ""))
     files = find_modules(root, "pkg")
     modules = importable(files)
     imports = all_imports(modules, "pkg")
 
     assert {(edge.module.name, edge.line, edge.target) for edge in imports} == {
-        ("pkg.low", 2, "pkg.high"), ("pkg.high", 1, "pkg.low"), ("pkg.sub", 1, "pkg.sub.leaf"), ("pkg.sub.leaf", 1, "pkg.low"),
+        ("pkg.top", 1, "pkg.high.h"), ("pkg.low", 1, "pkg.low.leaf"), ("pkg.low.leaf", 2, "pkg.high.h"),
+        ("pkg.high.h", 1, "pkg.low.leaf"),
     }
-    assert unassigned_modules(modules, layers) == [f"pkg.stray ({root / 'stray.py'}:1): no layer"]
+    assert unlisted_folders(root, layers) == [f"{root / 'stray'}: a folder with no place in LAYERS"]
+    assert [module.name for module in root_modules(files, root)] == ["pkg", "pkg.low", "pkg.top"]
     [cycle] = import_cycles(imports)
-    assert cycle.startswith("cycle among pkg.high, pkg.low:") and "low.py:2 pkg.low -> pkg.high: from pkg import high" in cycle
-    assert upward_imports(imports, layers) == [f"{root / 'low.py'}:2 pkg.low (low) imports pkg.high (high): from pkg import high"]
-    assert shadowed_modules(files) == [f"{root / 'sub.py'}:1 pkg.sub: shadowed by {root / 'sub/__init__.py'}:1"]
-    assert long_modules(files, limit=10) == [f"{root / 'stray.py'}:1 pkg.stray: 12 lines"]
-    assert long_functions(files, limit=3) == [f"{root / 'sub/leaf.py'}:7 pkg.sub.leaf.g: 4 lines"]
+    assert cycle.startswith("cycle among pkg.high.h, pkg.low.leaf:") and "leaf.py:2 pkg.low.leaf -> pkg.high.h: from pkg.high import h" in cycle
+    assert upward_imports(imports, modules, root, layers) == [
+        f"{root / 'low/leaf.py'}:2 pkg.low.leaf (low) imports pkg.high.h (high): from pkg.high import h"
+    ]
+    assert shadowed_modules(files) == [f"{root / 'low.py'}:1 pkg.low: shadowed by {root / 'low/__init__.py'}:1"]
+    assert long_modules(files, limit=11) == [f"{root / 'high/h.py'}:1 pkg.high.h: 13 lines"]
+    assert long_functions(files, limit=3) == [f"{root / 'low/leaf.py'}:8 pkg.low.leaf.g: 4 lines"]

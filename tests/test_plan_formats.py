@@ -5,13 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from rayexport.conversion import model_formats
-from rayexport.errors import ExportError
-from rayexport.model import build_meta_model, expected_tensors
+from rayexport.model.conversion import model_formats
+from rayexport.common.errors import ExportError
+from rayexport.model.description import build_meta_model, expected_tensors
 from rayexport.plan.formats import IN_MEMORY, ON_DISK, choose_naming, convert_plans
 from rayexport.plan.naming import LoraMerge, plan_holdings
 from rayexport.plan.pieces import holders_from_ranks
-from rayexport.ties import find_tie_aliases
+from rayexport.plan.ties import find_tie_aliases
 from support.models import tiny_format_config
 from support.plan_cases import fsdp2_ranks
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rayexport.errors import ExportError
-from rayexport.layouts.shards import ShardInfo
+from rayexport.common.errors import ExportError
+from rayexport.plan.shards import ShardInfo
 from rayexport.plan.pieces import needed_ranks, shard_extent
 
 from support.plan_cases import EMBED, NORM, extent_info, fsdp2_ranks

@@ -7,7 +7,7 @@ import torch
 
 from rayexport.plan.pieces import Piece
 from rayexport.plan.tiles import concatenate, drop_axis, insert_axis, invert, is_whole, narrow, permute, select, whole
-from rayexport.assembly import piece_tensor
+from rayexport.transport.assembly import piece_tensor
 
 
 def rebuild(tiles, sources, shape, shards=None):

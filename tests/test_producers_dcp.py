@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.registry import find_checkpoint
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 from support.helpers import BUCKET, download, error_lines, reload, run_main, upload
 from support.producer_checkpoints import NEMO_RL_MODEL_NAME, PRODUCERS, write_producer_checkpoints
 

@@ -1,4 +1,4 @@
-"""rayexport.storage_nodes: a local path as the nodes of a cluster see it. Each "node" here is a
+"""rayexport.storage.nodes: a local path as the nodes of a cluster see it. Each "node" here is a
 folder of its own and `FolderNodes` runs a call in the folder of the node named (what Ray's pinned
 tasks do on a real cluster: tests/test_node_local.py)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from rayexport.errors import ExportError
-from rayexport.nodes import files_below
-from rayexport.storage import Store
-from rayexport.storage_nodes import NodeFiles, PinnedStore, SpreadStore, node_labels, spread_store
+from rayexport.common.errors import ExportError
+from rayexport.orchestration.nodes import files_below
+from rayexport.storage.store import Store
+from rayexport.storage.nodes import NodeFiles, PinnedStore, SpreadStore, node_labels, spread_store
 
 
 class FolderNodes:

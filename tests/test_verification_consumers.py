@@ -3,8 +3,8 @@ only at the levels it runs at."""
 
 from __future__ import annotations
 
-from rayexport.levels import FULL, NONE, QUICK
-from rayexport.storage import Store
+from rayexport.common.levels import FULL, NONE, QUICK
+from rayexport.storage.store import Store
 from rayexport.verification.consumers import (
     CONSUMER_CHECKS, ConsumerCheck, TransformersReload, consumer_warnings, prepare_consumer_checks, run_consumer_checks,
 )

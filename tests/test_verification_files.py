@@ -14,10 +14,10 @@ def test_pieces_cut_along_columns_are_checked_across_row_blocks(tmp_path, monkey
 
     import torch
 
-    from rayexport.storage import Store
+    from rayexport.storage.store import Store
     from rayexport.verification import files
     from rayexport.verification.expected import ExpectedExport
-    from rayexport.writer import tensor_bytes
+    from rayexport.transport.writer import tensor_bytes
 
     tensor = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
     save_file({"w": tensor}, str(tmp_path / "model.safetensors"))
@@ -52,10 +52,10 @@ def test_a_changed_tensor_is_named_whether_or_not_the_files_digest_stands_for_it
 
     import torch
 
-    from rayexport.storage import Store
+    from rayexport.storage.store import Store
     from rayexport.verification import files
     from rayexport.verification.expected import ExpectedExport
-    from rayexport.writer import tensor_bytes
+    from rayexport.transport.writer import tensor_bytes
 
     tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(2, 4)}
     save_file(tensors, str(tmp_path / "model.safetensors"))

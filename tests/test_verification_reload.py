@@ -11,7 +11,9 @@ import subprocess
 
 import pytest
 
-from rayexport.storage import Store, storage_options_from_env
+from rayexport.storage.store import Store
+
+from rayexport.storage.settings import storage_options_from_env
 from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.reload.parent import ReloadProcess, check_reload, tensor_table

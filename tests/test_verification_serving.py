@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from rayexport.errors import ExportError
-from rayexport.options import ExportOptions
-from rayexport.report import serve_lines
-from rayexport.storage import Store
+from rayexport.common.errors import ExportError
+from rayexport.orchestration.options import ExportOptions
+from rayexport.orchestration.report import serve_lines
+from rayexport.storage.store import Store
 from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.serving import ServeRequest

@@ -11,7 +11,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.verification import VerificationError
 from rayexport.verify import verify_uri
 
@@ -144,7 +144,7 @@ def test_swapped_tensors_fail_fidelity_even_with_consistent_digests(export_copy)
     comparison with the source pieces can tell."""
     import hashlib
 
-    from rayexport.writer import tensor_bytes
+    from rayexport.transport.writer import tensor_bytes
 
     first, second = swap_same_shaped(export_copy)
     manifest = manifest_of(export_copy)
@@ -231,7 +231,7 @@ def rewrite_merged(folder, written, bug):
 
     from safetensors.torch import save
 
-    from rayexport.writer import tensor_bytes
+    from rayexport.transport.writer import tensor_bytes
 
     def delta(module):
         a, b = (written.adapter_state[f"base_model.model.{module}.lora_{which}.weight"] for which in "AB")
@@ -268,7 +268,7 @@ def test_full_reads_every_byte_back_once_and_quick_only_headers_and_the_sample(e
     """The checks read the destination by byte ranges: `full` streams each file once (its
     sha256, every tensor's digest and every source piece from the same pass), `quick` reads the
     small files and the sampled tensors' bytes, nothing else of the weights."""
-    from rayexport.storage import Store
+    from rayexport.storage.store import Store
     from rayexport.verification.expected import ExpectedExport
     from rayexport.verification.reading import read_header
 
@@ -291,7 +291,7 @@ def test_full_reads_every_byte_back_once_and_quick_only_headers_and_the_sample(e
 def test_each_writer_checks_only_the_files_it_was_given(export_copy):
     """What a writer runs on its own files: a corruption in one shard shows in that shard's
     check alone, and the structure check, which puts the writers' findings together, reports it."""
-    from rayexport.storage import Store
+    from rayexport.storage.store import Store
     from rayexport.verification.expected import ExpectedExport
     from rayexport.verification.files import check_files
     from rayexport.verification.structure import conclude

@@ -12,8 +12,9 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from rayexport.errors import ExportError
-from rayexport.storage import Store, storage_options_from_env
+from rayexport.common.errors import ExportError
+from rayexport.storage.store import Store
+from rayexport.storage.settings import storage_options_from_env
 from rayexport.watch import (
     CLAIM_NAME, CLAIM_STALE_S, Candidate, claim, destination_for, exclusive_create_honoured, find_candidates, watch_once,
 )

@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 import re
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.dcp import DcpCheckpoint, DcpLayout
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 
 log = logging.getLogger(__name__)
 

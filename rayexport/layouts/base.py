@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from rayexport.layouts.shards import ShardInfo
-from rayexport.storage import Store
+from rayexport.plan.shards import ShardInfo
+from rayexport.storage.store import Store
 
 # The folder beside the weights where trainers (verl, DCP loops) put config, tokenizer and code.
 HF_DIR = "huggingface"

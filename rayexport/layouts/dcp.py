@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass, field, replace
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from rayexport.dtypes import dtype_of
-from rayexport.errors import ExportError
+from rayexport.common.dtypes import dtype_of
+from rayexport.common.errors import ExportError
 from rayexport.layouts.base import (
     HF_DIR, Advance, Checkpoint, KeyMapping, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
 )
@@ -29,7 +29,7 @@ from rayexport.layouts.dcp_spool import SpooledTensors, spool
 from rayexport.plan.naming import model_names
 from rayexport.plan.pieces import holders_by_key
 from rayexport.plan.schedule import assign_by_bytes, keep_ties_together
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 
 _DISTCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 

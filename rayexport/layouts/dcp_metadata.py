@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from rayexport.dtypes import dtype_name
-from rayexport.errors import ExportError, one_line
-from rayexport.storage import Store
+from rayexport.common.dtypes import dtype_name
+from rayexport.common.errors import ExportError, one_line
+from rayexport.storage.store import Store
 
 DCP_METADATA = ".metadata"
 

@@ -19,14 +19,14 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from rayexport.dtypes import dtype_name, dtype_of
-from rayexport.errors import ExportError
+from rayexport.common.dtypes import dtype_name, dtype_of
+from rayexport.common.errors import ExportError
 from rayexport.layouts.base import Advance, SourceTensors
 from rayexport.layouts.dcp_metadata import DcpTensor, reason, storage_reader, unwrap
 from rayexport.layouts.mapped import mapped_ranges, release_pages
-from rayexport.layouts.shards import ShardInfo
-from rayexport.scan import CHUNK_ELEMENTS, is_finite
-from rayexport.storage import Store
+from rayexport.plan.shards import ShardInfo
+from rayexport.common.scan import CHUNK_ELEMENTS, is_finite
+from rayexport.storage.store import Store
 
 # Where tensors start in a worker's spool file: a multiple of every dtype's size.
 SPOOL_ALIGNMENT = 64

@@ -10,12 +10,12 @@ from typing import Iterator
 import torch
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
-from rayexport.dtypes import TORCH_NAME_OF_CODE, nbytes
-from rayexport.errors import ExportError, one_line
+from rayexport.common.dtypes import TORCH_NAME_OF_CODE, nbytes
+from rayexport.common.errors import ExportError, one_line
 from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, SourceTensors
-from rayexport.layouts.shards import ShardInfo
+from rayexport.plan.shards import ShardInfo
 from rayexport.plan.pieces import BASE_MODEL_RANK
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 
 
 def weight_files(store: Store) -> list[str]:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
 
-from rayexport.dtypes import TORCH_NAME_OF_CODE
-from rayexport.errors import ExportError, one_line
-from rayexport.storage import Store
+from rayexport.common.dtypes import TORCH_NAME_OF_CODE
+from rayexport.common.errors import ExportError, one_line
+from rayexport.storage.store import Store
 
 HEADER_READ = 64 * 1024  # a first read of each file that holds a small model's whole header
 MAX_HEADER = 100_000_000  # the largest header the safetensors library reads

@@ -15,8 +15,8 @@ import functools
 import os
 from typing import Any, Callable
 
-from rayexport.errors import ExportError
-from rayexport.storage import Store
+from rayexport.common.errors import ExportError
+from rayexport.storage.store import Store
 
 MADV_DONTNEED = 4
 

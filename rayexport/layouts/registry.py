@@ -3,7 +3,7 @@ asked of a source folder: which checkpoint is there, and has its trainer finishe
 
 from __future__ import annotations
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.layouts import AUTO, LAYOUT_NAMES
 from rayexport.layouts.accelerate import AccelerateLayout
 from rayexport.layouts.base import Checkpoint, Layout, SourceSettings
@@ -11,7 +11,7 @@ from rayexport.layouts.dcp import DcpLayout
 from rayexport.layouts.hf_sharded import ShardedSafetensorsLayout
 from rayexport.layouts.torchtitan import TorchtitanLayout
 from rayexport.layouts.verl import VerlLayout
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 
 LAYOUTS: tuple[Layout, ...] = (TorchtitanLayout(), DcpLayout(), VerlLayout(), AccelerateLayout(), ShardedSafetensorsLayout())
 # What `auto` falls back to when no layout recognises the files: its errors name what is missing.

@@ -11,12 +11,12 @@ import dataclasses
 import logging
 import re
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.dcp import DcpCheckpoint, DcpLayout
 from rayexport.layouts.dcp_metadata import DCP_METADATA, read_metadata
 from rayexport.plan.torchtitan import PRODUCER, torchtitan_names, torchtitan_namings
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 
 log = logging.getLogger(__name__)
 

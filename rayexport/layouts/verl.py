@@ -12,15 +12,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.layouts.base import (
     HF_DIR, Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
 )
 from rayexport.layouts.mapped import local_file, mapped_ranges
-from rayexport.layouts.shards import ShardInfo, describe_tensor, local_tensor
+from rayexport.plan.shards import ShardInfo, describe_tensor, local_tensor
 from rayexport.plan.pieces import holders_from_ranks, needed_ranks
 from rayexport.plan.schedule import assign_ranks
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 
 log = logging.getLogger(__name__)
 

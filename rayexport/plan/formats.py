@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, get_args
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.plan.pieces import Piece
 from rayexport.plan.tiles import Tile, invert, is_whole, select
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from rayexport.dtypes import SAFETENSORS_DTYPES, dtype_of, nbytes
-from rayexport.errors import ExportError
-from rayexport.layouts.shards import ShardInfo
-from rayexport.lora import (
+from rayexport.common.dtypes import SAFETENSORS_DTYPES, dtype_of, nbytes
+from rayexport.common.errors import ExportError
+from rayexport.plan.shards import ShardInfo
+from rayexport.plan.lora import (
     LoraSettings, LoraTarget, adapter_tensor_name, is_peft_checkpoint, lora_settings, split_peft_names,
 )
-from rayexport.names import normalize_key
+from rayexport.plan.keys import normalize_key
 from rayexport.plan.formats import IN_MEMORY, ModelFormats, choose_naming, convert_plans
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, tensor_pieces
 from rayexport.plan.torchtitan import torchtitan_names
-from rayexport.ties import TieResolution, resolve_tied_names
+from rayexport.plan.ties import TieResolution, resolve_tied_names
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rayexport.dtypes import nbytes
-from rayexport.errors import ExportError
+from rayexport.common.dtypes import nbytes
+from rayexport.common.errors import ExportError
 
 if TYPE_CHECKING:
-    from rayexport.layouts.shards import ShardInfo
+    from rayexport.plan.shards import ShardInfo
 
 # The pseudo-rank of tensors the exporter reads from a base model folder (LoRA-only checkpoints).
 BASE_MODEL_RANK = -1

@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 from huggingface_hub import StateDictSplit, split_state_dict_into_shards_factory
 from huggingface_hub.constants import SAFETENSORS_WEIGHTS_FILE_PATTERN
 
-from rayexport.dtypes import SAFETENSORS_ORDER
+from rayexport.common.dtypes import SAFETENSORS_ORDER
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
 

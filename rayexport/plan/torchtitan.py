@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 from rayexport.plan.formats import Naming, ProducerNaming
 from rayexport.plan.tiles import Tile, whole
 

@@ -7,12 +7,12 @@ the index, and the consumer checks (`consumers.CONSUMER_CHECKS`: the transformer
 process of its own, see `reload/`) load the export as its users will. `outcome` puts the
 results together, and `verify_export` runs all of it from one process. Problems are reported
 structure first, then integrity, then fidelity, so the first names the most basic thing wrong.
-What each level checks is `rayexport.levels`'s.
+What each level checks is `rayexport.common.levels`'s.
 """
 
 from __future__ import annotations
 
-from rayexport.errors import ExportError
+from rayexport.common.errors import ExportError
 
 
 class VerificationError(ExportError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 from rayexport.verification.expected import ExpectedExport
 
 

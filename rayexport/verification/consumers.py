@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 from rayexport.verification.consumer_check import ConsumerCheck
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.reload.parent import ReloadProcess, check_reload
 from rayexport.verification.serving.vllm_check import VllmServe
 
 # Runs a check that asks for GPUs (`ConsumerCheck.gpus`) where the cluster has them: given by
-# the orchestration (rayexport.workers), called with the check, its GPUs and `run`'s arguments.
+# the orchestration (rayexport.orchestration.workers), called with the check, its GPUs and `run`'s arguments.
 GpuRunner = Callable[..., dict[str, Any]]
 
 

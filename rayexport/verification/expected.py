@@ -7,7 +7,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayexport.levels import FULL, Level, reads_whole_files
+from rayexport.common.levels import FULL, Level, reads_whole_files
 from rayexport.plan.formats import ON_DISK, Format
 from rayexport.verification.serving import ServeRequest
 

@@ -12,14 +12,14 @@ from typing import Any, Callable
 
 import torch
 
-from rayexport.dtypes import TORCH_NAME_OF_CODE, dtype_of, nbytes
-from rayexport.errors import one_line
-from rayexport.levels import reads_whole_files
-from rayexport.storage import Store
+from rayexport.common.dtypes import TORCH_NAME_OF_CODE, dtype_of, nbytes
+from rayexport.common.errors import one_line
+from rayexport.common.levels import reads_whole_files
+from rayexport.storage.store import Store
 from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.reading import READ_AHEAD, READ_BLOCK, is_weights_file, read_header
-from rayexport.writer import tensor_bytes
+from rayexport.transport.writer import tensor_bytes
 
 Read = tuple[int, int, "tuple[str, int] | None"]  # [start, end) and the tensor and first row it holds
 

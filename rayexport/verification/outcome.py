@@ -6,8 +6,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rayexport.levels import NONE
-from rayexport.storage import Store
+from rayexport.common.levels import NONE
+from rayexport.storage.store import Store
 from rayexport.verification.consumers import run_consumer_checks
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.files import check_files
@@ -30,7 +30,7 @@ def verify_export(store: Store, expected: ExpectedExport, timeout_s: float, memo
     """Run every check on the export at `store` from this process (reading its files a few at a
     time in threads, then the consumer checks); raise VerificationError on the first failure,
     else return the outcome. An export's own verification spreads the file checks over its
-    writers instead (rayexport.group)."""
+    writers instead (rayexport.orchestration.group)."""
     with ThreadPoolExecutor(READ_AHEAD) as pool:
         checks = [part for parts in pool.map(lambda name: check_files(store, [name], expected), sorted(expected.files)) for part in parts]
     found = conclude(store, checks, expected)

@@ -7,8 +7,8 @@ import json
 import re
 from typing import Any
 
-from rayexport.dtypes import TORCH_NAME_OF_CODE, nbytes
-from rayexport.storage import Store
+from rayexport.common.dtypes import TORCH_NAME_OF_CODE, nbytes
+from rayexport.storage.store import Store
 
 SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 READ_BLOCK = 16 * 2**20  # bytes per range read; a tensor is read a block of whole rows at a time

@@ -8,8 +8,8 @@ from typing import Any
 
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
-from rayexport.dtypes import nbytes
-from rayexport.storage import Store
+from rayexport.common.dtypes import nbytes
+from rayexport.storage.store import Store
 from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.files import FileCheck

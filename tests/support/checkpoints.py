@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from rayexport.demo import fully_shard_model, run_gloo_ranks, save_rank_state, write_fsdp_config, write_hf_folder
-from rayexport.dtypes import dtype_of
+from rayexport.common.dtypes import dtype_of
 from rayexport.layouts.verl import rank_file_name
 from support.models import (
     PROMPT_IDS, build_format_model, build_model, model_of, reference_logits, saved_state, tiny_format_config,
@@ -366,7 +366,7 @@ def _synthetic_shards(rank: int, world_size: int, mesh, config, conditioned: boo
     `write_synthetic_checkpoint` for `conditioned`)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from rayexport.model import build_meta_model, expected_tensors
+    from rayexport.model.description import build_meta_model, expected_tensors
 
     generator = torch.Generator().manual_seed(rank)
     dtype = dtype_of(str(config.dtype).removeprefix("torch."))

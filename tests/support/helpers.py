@@ -16,7 +16,7 @@ BUCKET = "rayexport-tests"
 
 def folder_with(root, files: dict[str, str | bytes]):
     """A local folder holding `files` (relative name -> contents), as a rayexport Store."""
-    from rayexport.storage import Store
+    from rayexport.storage.store import Store
 
     for name, data in files.items():
         path = root / name

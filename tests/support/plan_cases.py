@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from rayexport.layouts.shards import ShardInfo
+from rayexport.plan.shards import ShardInfo
 from rayexport.plan.pieces import holders_from_ranks
 from rayexport.plan.formats import IN_MEMORY, ModelFormats, Naming
 from rayexport.plan.naming import plan_holdings

@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from rayexport.dtypes import dtype_name
-from rayexport.errors import one_line
-from rayexport.lora import ADAPTER_WEIGHTS
-from rayexport.memory import peak_rss_bytes, rss_bytes
+from rayexport.common.dtypes import dtype_name
+from rayexport.common.errors import one_line
+from rayexport.plan.lora import ADAPTER_WEIGHTS
+from rayexport.common.memory import peak_rss_bytes, rss_bytes
 from rayexport.plan.formats import FORMATS, ON_DISK, Format
 from rayexport.verification.reload.probes import (
     build_skeleton, key_differences, model_formats_of, probe, table_shapes, untied_pairs,
@@ -85,7 +85,7 @@ def reload_and_probe(path: str, trust_remote_code: bool, tied: list[tuple[str, s
     keys, tie sharing, a forward pass, and which adapter tensors peft failed to load."""
     from transformers import AutoConfig
 
-    from rayexport.model import model_class
+    from rayexport.model.description import model_class
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     model, info = model_class(config).load(path, trust_remote_code, output_loading_info=True, **auto_dtype())

@@ -17,11 +17,11 @@ import threading
 import time
 from typing import Any, Mapping
 
-from rayexport.dtypes import TORCH_NAME_OF_CODE
-from rayexport.errors import one_line
-from rayexport.levels import loads_weights
-from rayexport.lora import ADAPTER_DIR
-from rayexport.storage import Store
+from rayexport.common.dtypes import TORCH_NAME_OF_CODE
+from rayexport.common.errors import one_line
+from rayexport.common.levels import loads_weights
+from rayexport.plan.lora import ADAPTER_DIR
+from rayexport.storage.store import Store
 from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.reading import read_header

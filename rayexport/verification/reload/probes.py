@@ -18,7 +18,7 @@ def build_skeleton(path: str, trust_remote_code: bool):
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    from rayexport.model import model_class
+    from rayexport.model.description import model_class
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
@@ -29,8 +29,8 @@ def build_skeleton(path: str, trust_remote_code: bool):
 
 def model_formats_of(model: torch.nn.Module, tied: list[tuple[str, str]]):
     """The model's in-memory and on-disk namings (`tied` are in-memory names)."""
-    from rayexport.conversion import model_formats
-    from rayexport.model import expected_tensors
+    from rayexport.model.conversion import model_formats
+    from rayexport.model.description import expected_tensors
 
     return model_formats(model, expected_tensors(model), {alias: canonical for canonical, alias in tied})
 

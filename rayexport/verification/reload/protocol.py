@@ -12,7 +12,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Callable, Iterator
 
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 from rayexport.verification import VerificationError
 from rayexport.verification.reading import READ_AHEAD, READ_BLOCK
 

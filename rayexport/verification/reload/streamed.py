@@ -10,8 +10,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from rayexport.dtypes import dtype_name, dtype_of
-from rayexport.memory import rss_bytes
+from rayexport.common.dtypes import dtype_name, dtype_of
+from rayexport.common.memory import rss_bytes
 from rayexport.plan.formats import IN_MEMORY, Format
 from rayexport.verification.reload.probes import (
     build_skeleton, key_differences, model_formats_of, probe, table_shapes, untied_pairs,

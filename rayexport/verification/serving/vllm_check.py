@@ -13,7 +13,7 @@ import tempfile
 import time
 from typing import Any
 
-from rayexport.storage import Store
+from rayexport.storage.store import Store
 from rayexport.verification import VerificationError
 from rayexport.verification.consumer_check import ConsumerCheck
 from rayexport.verification.expected import ExpectedExport

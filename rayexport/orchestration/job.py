@@ -1,0 +1,371 @@
+"""Orchestration: the export as its steps, around an `ExportPlan`: plan on the driver (while the
+workers start), load, plan the output, transfer, verify the files, run the consumer checks (on
+worker 0, each in a process it started with the group), commit, report; each phase timed.
+
+Any failure kills every actor, removes the placement group, and leaves DST without a manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rayexport.common.dtypes import nbytes
+from rayexport.common.errors import ExportError
+from rayexport.orchestration.export_plan import ExportPlan, plan_export
+from rayexport.orchestration.group import Transferred, WorkerGroup
+from rayexport.layouts.base import Loaded
+from rayexport.layouts.hf import base_model_folder
+from rayexport.common.levels import resolved, runs_checks
+from rayexport.plan.lora import ADAPTER_WEIGHTS
+from rayexport.transport.manifest import MANIFEST_NAME, build_manifest, commit
+from rayexport.common.memory import peak_rss_bytes
+from rayexport.model.description import ModelDescription, describe_model, generated_files, hf_folder
+from rayexport.orchestration.options import ExportOptions
+from rayexport.plan.formats import ModelFormats
+from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, match_names, plan_holdings
+from rayexport.plan.schedule import ShardFile, TransferPlan, plan_shard_files, plan_transfer, safetensors_order
+from rayexport.orchestration.report import ExportReport, timed_stage
+from rayexport.storage.store import Store
+from rayexport.plan.ties import check_tied_values
+from rayexport.verification import VerificationError
+from rayexport.verification.consumers import consumer_warnings
+from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.outcome import verification_outcome
+from rayexport.verification.structure import conclude
+from rayexport.orchestration.workers import WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Source:
+    """The checkpoint as the workers hold it, and the base model folder's tensors (LoRA-only)."""
+
+    loaded: Loaded
+    base_infos: dict | None
+    finite: bool  # False: the checkpoint itself holds NaN/Inf (exported with a warning)
+
+
+@dataclass
+class OutputPlan:
+    """The export's tensors, dtype, files and the gather that writes them."""
+
+    planning: TensorPlanning
+    converted: bool  # the checkpoint's tensors were renamed, split or merged into the format written
+    untied: frozenset[str]  # tied aliases kept as tensors of their own (--untie)
+    dtype: str | None
+    dtype_reason: str
+    by_name: dict[str, TensorPlan]
+    split: Any  # huggingface_hub's StateDictSplit of the model's files, for the index
+    transfer: TransferPlan
+
+
+def export(src: str, dst: str, **options: Any) -> ExportReport:
+    """Export the checkpoint at `src` to a Hugging Face model at `dst`; see `ExportOptions`."""
+    return run_export(ExportOptions(src=src, dst=dst, **options))
+
+
+def run_export(
+    options: ExportOptions, group_type: type[WorkerGroup] | None = None, seconds: dict[str, float] | None = None,
+) -> ExportReport:
+    """The whole export: plan, gather and write with Ray actors, verify, commit the manifest.
+
+    `group_type` runs the workers and the verification some other way than on Ray (a
+    `WorkerGroup` subclass; benchmarks/gpu_check.py uses local processes). `seconds` holds
+    what was timed before (the command line's imports and Ray start); the report's stages
+    continue it."""
+    group_type = group_type or WorkerGroup
+    plan = plan_export(options, seconds)
+    if plan.existing is not None and not options.force:
+        return _already_committed(plan)
+    # The rest of planning runs in a thread while Ray, the actors and their process group
+    # start here (Ray's signal handlers need the main thread).
+    describing = _in_background(_prepare, plan)
+    with timed_stage(plan.seconds, "start_workers"):
+        group = _start_group(group_type, plan, describing)
+    try:
+        with timed_stage(plan.seconds, "describe_model"):  # what is left of it once the workers are up
+            model = describing.result()
+        source = _load(plan, group, model)
+        with timed_stage(plan.seconds, "plan_files"):  # names, ties (compared on the workers), files, the gather
+            output = _plan_output(plan, group, model, source)
+        expected, written, checks, consumers = _write_and_check(plan, group, model, source, output)
+        with timed_stage(plan.seconds, "reload"):  # what is left of it once the file checks are done
+            verification = _with_consumer_checks(checks, group, consumers, expected)
+    except BaseException:
+        group.shutdown(graceful=False)  # a failed export's workers are removed, never pooled
+        raise
+    with timed_stage(plan.seconds, "shutdown"):
+        group.shutdown()
+    # measurements, not properties of the export: the report has them, the manifest does not
+    reload = verification.get("checks", {}).get("reload", {})
+    reload_memory = reload.pop("peak_rss_bytes", None), reload.pop("startup_rss_bytes", None)
+    reload_process = {name: reload.pop(name) for name in ("started_at", "imports_s", "waited_s") if name in reload}
+    manifest = build_manifest(
+        source=plan.source.uri, layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size,
+        options=options.recorded(), expected=expected.to_manifest(), verification=verification,
+    )
+    with timed_stage(plan.seconds, "commit"):
+        commit(plan.destination, manifest)
+    return _report(plan, group, output, written, verification, reload_memory, reload_process)
+
+
+def _load(plan: ExportPlan, group: WorkerGroup, model: ModelDescription) -> Source:
+    """The workers read their share of the checkpoint (tied copies together) and, for a
+    LoRA-only checkpoint, the exporter the base model's weights."""
+    with timed_stage(plan.seconds, "load") as moved:
+        loaded = group.load(plan.checkpoint, model.formats.tie_aliases())
+        moved["bytes"] = sum(
+            nbytes(info.local_shape, info.dtype) for infos in loaded.rank_infos.values() for info in infos.values()
+        )
+        base_infos = None
+        if plan.base_model is not None:
+            base = group.load(base_model_folder(plan.base_model), {})
+            (base_infos,) = base.rank_infos.values()
+            loaded.worker_of_rank.update(base.worker_of_rank)
+    return Source(loaded, base_infos, _check_finite(loaded.rank_infos, plan.options.strict))
+
+
+def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, source: Source) -> OutputPlan:
+    """Match the checkpoint to the model (names, ties, LoRA, dtype) and plan the files and the
+    gather that writes them."""
+    options = plan.options
+    lora = LoraRequest(
+        options.lora, plan.checkpoint.lora_meta, {"lora_alpha": options.lora_alpha, "use_rslora": options.lora_rslora},
+        model.fan_in_fan_out,
+    )
+    dtype, dtype_reason = choose_dtype(options.dtype, model.config_dtype)
+    log.info("writing %s tensors: %s", dtype, dtype_reason)
+
+    def plan_tensors(untied: frozenset[str]) -> TensorPlanning:
+        return plan_holdings(source.loaded.holders, model.formats, options.format, dtype, lora, source.base_infos, untied)
+
+    planning, untied = _plan_ties(plan_tensors, group, options.untie)
+    converted = model.formats.tiles(planning.naming, planning.format) is not None
+    if converted:
+        log.info("converting the checkpoint's %s names to the %s format", planning.naming, planning.format)
+    shard_files, split = plan_shard_files(planning.tensors, options.max_shard_size)
+    adapter_files = [
+        ShardFile(ADAPTER_WEIGHTS, tuple(tensor.name for tensor in safetensors_order(planning.adapters)))
+    ] if planning.adapters else []
+    by_name = {tensor.name: tensor for tensor in planning.tensors + planning.adapters}
+    writers = options.writers
+    if group.writers_limit is not None and writers > group.writers_limit:
+        log.info("%d writer(s) instead of --writers %d: a local --dst is written by the workers on its node only",
+                 group.writers_limit, writers)
+        writers = group.writers_limit
+    transfer = plan_transfer(
+        shard_files + adapter_files, by_name, source.loaded.worker_of_rank, group.size, options.bucket_size, writers
+    )
+    return OutputPlan(planning, converted, untied, dtype, dtype_reason, by_name, split, transfer)
+
+
+def _write_and_check(
+    plan: ExportPlan, group: WorkerGroup, model: ModelDescription, source: Source, output: OutputPlan
+) -> tuple[ExpectedExport, Transferred, dict[str, Any] | None, Any]:
+    """Record the source pieces' digests, run the gather that writes every file, and have each
+    writer re-read what it wrote while worker 0 starts the consumer checks. Returns what the
+    export must hold, what was written, the file checks' numbers and the consumer checks' call
+    (both None with --verify none)."""
+    options, planning = plan.options, output.planning
+    level = resolved(options.verify)
+    with timed_stage(plan.seconds, "source_digests"):
+        source_pieces = group.source_pieces(planning, source.loaded.worker_of_rank) if runs_checks(level) else {}
+    carried = {**model.carried, **generated_files(model.config, planning, bool(output.untied), options.base_model)}
+    with timed_stage(plan.seconds, "transfer") as moved:
+        written = group.transfer(output.transfer, output.by_name, output.split, plan.destination, carried)
+        moved["bytes"] = written.bytes_written
+    tensors = {
+        tensor.name: {"dtype": tensor.dtype, "shape": list(tensor.shape), "sha256": written.tensor_digests[tensor.name]}
+        for tensor in output.by_name.values()
+    }
+    expected = ExpectedExport(
+        files=written.files, tensors=tensors, tied=_tied_pairs(model.formats, planning, output.untied),
+        adapter=bool(planning.adapters), pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code,
+        format=planning.format, source_finite=source.finite, written_together=True, serve=options.serve,
+    )
+    consumers = group.start_consumer_checks(plan.destination, expected) if runs_checks(level) else None
+    with timed_stage(plan.seconds, "verify_files") as moved:
+        checks = verify_files(group, plan.destination, expected, written.worker_stats)
+        moved["bytes"] = checks["files"]["bytes_read"] if checks else 0
+    group.update_memory(written.worker_stats)  # the peaks, verification included
+    return expected, written, checks, consumers
+
+
+def _report(
+    plan: ExportPlan, group: WorkerGroup, output: OutputPlan, written: Transferred, verification: dict[str, Any],
+    reload_memory: tuple[int | None, int | None], reload_process: dict[str, float],
+) -> ExportReport:
+    """The run's report: what was exported, how, and what it cost (stage seconds, bytes, memory)."""
+    reload_peak, reload_start = reload_memory
+    by_worker = {f"worker{stats.worker}": stats for stats in written.worker_stats}
+    return ExportReport(
+        source=plan.source.uri, destination=plan.destination.uri, manifest=plan.destination.display(MANIFEST_NAME),
+        layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size, workers=group.size,
+        backend=group.devices.backend, backend_reason=group.devices.reason,
+        naming=output.planning.naming, format=output.planning.format, converted=output.converted, dtype=output.dtype, dtype_reason=output.dtype_reason,
+        tensor_count=len(output.by_name), seconds=plan.seconds,
+        bytes={
+            "read": sum(stats.bytes_read for stats in written.worker_stats),
+            "gathered": sum(stats.bytes_received for stats in written.worker_stats),
+            "written": written.bytes_written,
+        },
+        peak_rss_bytes={
+            "driver": peak_rss_bytes(),
+            **{worker: stats.peak_rss_bytes for worker, stats in by_worker.items()},
+            **({"reload": reload_peak} if reload_peak is not None else {}),
+        },
+        working_memory_bytes={
+            **{worker: stats.working_memory_bytes for worker, stats in by_worker.items()},
+            **({"reload": reload_peak - reload_start} if reload_peak is not None and reload_start is not None else {}),
+        },
+        peak_gpu_bytes={
+            worker: stats.peak_gpu_bytes for worker, stats in by_worker.items() if stats.peak_gpu_bytes is not None
+        },
+        files_by_worker={worker: stats.files_written for worker, stats in by_worker.items()},
+        placement={worker: {"node": stats.node, "pid": stats.pid, "device": stats.device} for worker, stats in by_worker.items()},
+        warm_start=group.reused, reload_process=reload_process, files=written.files, verification=verification, skipped=list(plan.checkpoint.skipped),
+        export_node=plan.cluster.labels[plan.export_node] if plan.export_node else None,
+    )
+
+
+def _prepare(plan: ExportPlan) -> ModelDescription:
+    """Ready the destination (uncommit an export being replaced, abort uploads a killed run
+    left, probe that it takes writes) and describe the model the checkpoint holds."""
+    destination, options = plan.destination, plan.options
+    if plan.existing is not None:
+        destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
+    for key in destination.abort_uploads():
+        log.warning("aborted an unfinished upload left by an earlier run: %s", key)
+    hf_config = Store(options.hf_config, destination.options) if options.hf_config else None
+    folder = hf_folder(plan.checkpoint.hf_folder, hf_config, plan.checkpoint.nearby_hf_folder, plan.base_model)
+    model = describe_model(folder, plan.base_model, options.trust_remote_code)
+    checkpoint = plan.checkpoint
+    if checkpoint.producer_namings is not None:
+        producers = checkpoint.producer_namings(model.config, model.formats.disk)
+        model = replace(model, formats=model.formats.with_producers(producers))
+    keys = checkpoint.known_keys()
+    if keys is not None and plan.base_model is None:
+        match_names(keys, model.formats)  # what the checkpoint's names lack, before any worker starts
+    destination.write_bytes(".rayexport-write-probe", b"")
+    destination.delete(".rayexport-write-probe")
+    return model
+
+
+def _in_background(function, *args) -> Future:
+    """Run `function(*args)` in a thread of its own; the future gives its result or error."""
+    background = ThreadPoolExecutor(1, thread_name_prefix="rayexport-plan")
+    future = background.submit(function, *args)
+    background.shutdown(wait=False)
+    return future
+
+
+def _start_group(group_type: type[WorkerGroup], plan: ExportPlan, describing: Future) -> WorkerGroup:
+    """Size and start the worker group; on failure, remove whatever of it had started (and
+    report the start's error, not the planning thread's)."""
+    try:
+        if "ray_start" in plan.seconds:  # the command line started it, or joined, already
+            group_type.connect(plan.options)
+        else:
+            with timed_stage(plan.seconds, "ray_start"):
+                group_type.connect(plan.options)
+        group = group_type.for_export(plan.options, plan.checkpoint.world_size, plan.job_deadline)
+        if plan.cluster is not None:
+            group.place_on_nodes(plan.checkpoint, plan.cluster, plan.export_node)
+        if plan.checkpoint.known_keys() is not None:
+            describing.result()  # its names are checked against the model's before the workers start
+        try:
+            group.start()
+        except BaseException:
+            group.shutdown(graceful=False)
+            raise
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            describing.result()
+        raise
+    return group
+
+
+def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, frozenset[str]]:
+    """Plan, then compare every tied pair the checkpoint holds twice: different values stop the
+    export, or with `untie` are kept as separate tensors (re-planned with those aliases untied).
+    Returns the planning and the aliases untied (in the checkpoint's naming)."""
+    planning = plan(frozenset())
+    differences = group.tied_differences(planning.tied_key_pairs)
+    tied_values = {}
+    for pair, keys in zip(planning.resolution.to_compare, planning.tied_key_pairs):
+        if keys not in differences:
+            raise ExportError(
+                f"tied tensors '{keys[0]}' and '{keys[1]}' were read by different workers and "
+                f"could not be compared; refusing to drop '{keys[1]}' unchecked"
+            )
+        tied_values[pair] = differences[keys]
+    untied = frozenset(alias for (_, alias), difference in tied_values.items() if difference != 0.0)
+    if not (untied and untie):
+        check_tied_values(tied_values)
+        return planning, frozenset()
+    log.warning("untying %s: their saved values differ from the tensors they were tied to", sorted(untied))
+    return plan(untied), untied
+
+
+def _check_finite(rank_infos: dict[int, dict[str, Any]], strict: bool) -> bool:
+    """NaN or Inf in the weights: a warning naming the tensors, or with --strict the end.
+    Returns whether every weight is finite."""
+    bad = sorted({key for infos in rank_infos.values() for key, info in infos.items() if not info.finite})
+    if not bad:
+        return True
+    message = f"tensor '{bad[0]}' holds NaN or Inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+    if strict:
+        raise ExportError(message + " (--strict)")
+    log.warning("%s; exporting anyway (--strict refuses)", message)
+    return False
+
+
+def verify_files(
+    group: WorkerGroup, destination: Store, expected: ExpectedExport, worker_stats: list[WorkerStats]
+) -> dict[str, Any] | None:
+    """Every writer re-reads the files it wrote, all at once; the structure check puts what they
+    found together (see `rayexport.verification.structure.conclude`). None with `--verify none`."""
+    if not runs_checks(expected.level):
+        return None
+    written = {stats.worker: stats.files_written for stats in worker_stats}
+    return conclude(destination, group.check_files(destination, expected, written), expected)
+
+
+def _with_consumer_checks(
+    checks: dict[str, Any] | None, group: WorkerGroup, consumers: Any, expected: ExpectedExport
+) -> dict[str, Any]:
+    """The verification's outcome: the file checks' numbers and each consumer check's (none
+    run without file checks, with `--verify none`). A file check's failure was raised first."""
+    results = {}
+    if consumers is not None:
+        try:
+            results = group.consumer_results(consumers)
+        except VerificationError as error:  # the consumer the user runs it with cannot load it
+            raise VerificationError(f"{error}; the export was not committed") from None
+    for warning in consumer_warnings(results):
+        log.warning("verification: %s", warning)
+    return verification_outcome(expected.level, checks, results)
+
+
+def _already_committed(plan: ExportPlan) -> ExportReport:
+    log.info("%s already holds a committed export of %s", plan.options.dst, plan.checkpoint.uri)
+    manifest, dst = plan.existing, plan.options.dst
+    return ExportReport(
+        source=plan.checkpoint.uri, destination=dst, manifest=f"{dst.rstrip('/')}/{MANIFEST_NAME}",
+        layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size, workers=0, backend="none",
+        tensor_count=manifest.get("tensor_count", 0), files=manifest.get("files", {}),
+        verification=manifest.get("verification", {}), already_committed=True,
+    )
+
+
+def _tied_pairs(formats: ModelFormats, planning: TensorPlanning, untied: frozenset[str]) -> list[tuple[str, str]]:
+    """The (canonical, alias) pairs, by in-memory name, that the reload must find sharing memory."""
+    untied_in_memory = {formats.memory_name(planning.naming, alias) for alias in untied}
+    return sorted(
+        (canonical, alias) for alias, canonical in formats.memory.aliases.items() if alias not in untied_in_memory
+    )

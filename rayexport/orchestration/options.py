@@ -1,0 +1,234 @@
+"""The export's options: one plain dataclass shared by the CLI, `export()`, `export_remote()`
+and the manifest. Each field carries its default, help text, group and command-line form
+(`option(...)`); the CLI's parser is built from the fields (`add_option_arguments`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayexport.common.errors import ExportError
+from rayexport.layouts import LAYOUT_NAMES
+from rayexport.common.levels import AUTO, LEVELS
+from rayexport.orchestration.placement import is_whole
+from rayexport.plan.formats import FORMATS, ON_DISK
+from rayexport.verification.serving import ENGINES, ServeRequest
+
+BACKENDS = ("auto", "gloo", "nccl")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+LORA_MODES = ("merge", "adapter", "both")
+# The --help groups, in the order a user meets them.
+SOURCE, OUTPUT, CLUSTER, LORA, VERIFICATION, SAFETY = (
+    "source", "output", "cluster", "LoRA", "verification", "safety",
+)
+GROUPS = (SOURCE, OUTPUT, CLUSTER, LORA, VERIFICATION, SAFETY)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like '1GiB', '5GB', '500MB' (GB = 10^9, GiB = 2^30)."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ExportError(f"cannot read size {value!r}; use e.g. 5GB or 512MiB")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
+
+
+def option(
+    default: Any = None,
+    help: str = "",
+    *,
+    group: str,
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    recorded: bool = False,
+    default_factory: Any = None,
+    required: bool = False,
+) -> Any:
+    """A field of `ExportOptions` with what the CLI needs: `help` (the default is appended to
+    it unless None or False), its `group` in --help, its `flag` (default: from the field's
+    name), `choices`, `metavar`; `recorded`: stored in the manifest (the options that decide
+    the export's bytes); `required`: no default (the CLI then defaults to None and checks)."""
+    metadata = {
+        "help": help, "group": group, "flag": flag, "choices": choices, "metavar": metavar, "recorded": recorded,
+    }
+    if required:
+        return field(metadata=metadata)
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ExportOptions:
+    """Everything one export needs to know. Sizes accept ints or strings like '1GiB'."""
+
+    src: str = option(help="checkpoint prefix (local path, file://, s3://, any fsspec URI)", group=SOURCE,
+                      metavar="URI", required=True)
+    dst: str = option(help="where the Hugging Face model is written", group=OUTPUT, metavar="URI", required=True)
+    layout: str = option("auto", "verl rank files, a PyTorch DCP directory (torchtitan's: its names mapped as its "
+                         "to_hf does), an accelerate checkpoint folder or torch's sharded HF safetensors "
+                         "(auto: from the files present)", group=SOURCE, choices=LAYOUT_NAMES)
+    hf_config: str | None = option(help="HF folder with config.json and tokenizer when SRC has no huggingface/",
+                                   group=SOURCE, metavar="URI")
+    dcp_prefix: str | None = option(help="key prefix of the model in a DCP state dict (default: detected)",
+                                    group=SOURCE, metavar="PREFIX", recorded=True)
+    storage_options: dict[str, Any] = option(
+        help='fsspec/s3fs options for SRC and DST, e.g. \'{"endpoint_url": "http://..."}\'',
+        group=SOURCE, metavar="JSON", default_factory=dict,
+    )
+    dtype: str = option("auto", "output dtype of floating tensors (auto: the dtype the model is published in: "
+                        "the config's, but bfloat16 for a float32 training config)",
+                        group=OUTPUT, choices=DTYPES, recorded=True)
+    format: str = option(ON_DISK, "tensor names and layout: the model's on-disk format, as save_pretrained writes "
+                         "it (per-expert MoE tensors, the Hub's names), or transformers 5's in-memory layout "
+                         "(fused experts)", group=OUTPUT, choices=FORMATS, recorded=True)
+    max_shard_size: int | str = option("5GB", "largest safetensors file", group=OUTPUT, metavar="SIZE", recorded=True)
+    untie: bool = option(False, "tied tensors whose saved values differ: keep both and untie the config",
+                         group=OUTPUT, recorded=True)
+    force: bool = option(False, "replace a committed export at DST", group=OUTPUT)
+    workers: int | None = option(help="worker actors (default: min(world size, cluster CPUs))", group=CLUSTER,
+                                 metavar="N")
+    writers: int = option(1, "workers that each write a disjoint share of the output files", group=CLUSTER,
+                          metavar="K")
+    backend: str = option(
+        "auto", "nccl (a whole GPU per worker) or gloo (CPUs); auto: nccl only when every worker finds a whole "
+        "free GPU at the start, else gloo (the log says why)", group=CLUSTER, choices=BACKENDS,
+    )
+    bucket_size: int | str = option("1GiB", "bytes gathered per step; a worker holds at most two buckets",
+                                    group=CLUSTER, metavar="SIZE")
+    num_cpus_per_worker: float = option(1.0, "Ray CPUs each worker reserves", group=CLUSTER, metavar="N")
+    # None: one per worker when the backend is (or `auto` picks) nccl, none with gloo
+    num_gpus_per_worker: float | None = option(
+        help="GPUs each worker reserves (default: 1 when the backend is nccl, 0 with gloo; 0 keeps the export "
+        "off the GPUs; nccl needs a whole number)", group=CLUSTER, metavar="N",
+    )
+    placement_timeout_s: float = option(
+        60.0, "seconds to wait for the cluster to place the workers before failing with what is missing "
+        "(raise it where nodes are added on demand)", group=CLUSTER, flag="--placement-timeout", metavar="S",
+    )
+    timeout_s: float = option(1800.0, "seconds each distributed step and the verification may take",
+                              group=CLUSTER, flag="--timeout", metavar="S")
+    deadline_s: float = option(86400.0, "seconds the whole export may take, start to commit",
+                               group=CLUSTER, flag="--deadline", metavar="S")
+    pool: str | None = option(help="keep the worker actors alive in the warm pool NAME for the next export",
+                              group=CLUSTER, metavar="NAME")
+    log_level: str = option("INFO", "logging level of the driver and the workers", group=CLUSTER,
+                            choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    lora: str = option("merge", "LoRA checkpoints: merge into the base, write the adapter, or both",
+                       group=LORA, choices=LORA_MODES, recorded=True)
+    base_model: str | None = option(help="HF model folder with the base weights of a LoRA-only checkpoint",
+                                    group=LORA, metavar="URI", recorded=True)
+    lora_alpha: float | None = option(help="LoRA alpha when lora_train_meta.json lacks it", group=LORA,
+                                      metavar="ALPHA", recorded=True)
+    lora_rslora: bool | None = option(help="the adapter was trained with rsLoRA", group=LORA, recorded=True)
+    verify: str = option(
+        AUTO, "checks before commit: full (every byte re-read, reload and forward pass; a model larger "
+        "than --bucket-size allows is streamed through the forward pass), quick (headers and a sample, keys "
+        "only), none; auto = full", group=VERIFICATION, choices=LEVELS, recorded=True,
+    )
+    serve_check: str = option(
+        "none", "also load the export in a serving engine before commit: vllm builds it and generates from fixed "
+        "prompts, and each token must be transformers' top choice on the same prefix", group=VERIFICATION,
+        choices=("none", *ENGINES),
+    )
+    vllm_python: str | None = option(
+        help="the Python that runs the vLLM check (default: this one); vLLM pins its own torch and transformers, "
+        "so it often has a virtualenv of its own", group=VERIFICATION, metavar="PATH",
+    )
+    serve_check_gpus: float = option(1.0, "GPUs the serve check asks Ray for where the cluster has GPUs",
+                                     group=VERIFICATION, metavar="N")
+    strict: bool = option(False, "fail on NaN/Inf weights instead of warning", group=SAFETY, recorded=True)
+    trust_remote_code: bool = option(False, "allow the model's own code to run (plan and reload)",
+                                     group=SAFETY, recorded=True)
+    unsafe_pickle: bool = option(False, "load rank files with the full unpickler (runs code in them; trusted "
+                                 "files only)", group=SAFETY)
+
+    def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):
+            allowed = item.metadata["choices"]
+            if allowed and getattr(self, item.name) not in allowed:
+                raise ExportError(f"{cli_flag(item)} must be one of {', '.join(allowed)}, not {getattr(self, item.name)!r}")
+        self.bucket_size = parse_size(self.bucket_size)
+        self.max_shard_size = parse_size(self.max_shard_size)
+        if self.workers is not None and self.workers < 1:
+            raise ExportError(f"--workers must be at least 1, not {self.workers}")
+        if self.timeout_s <= 0 or self.deadline_s <= 0 or self.placement_timeout_s <= 0:
+            raise ExportError("--timeout, --deadline and --placement-timeout must be positive")
+        gpus = self.num_gpus_per_worker
+        if gpus is not None and gpus < 0:
+            raise ExportError(f"--num-gpus-per-worker must not be negative, not {gpus:g}")
+        if self.backend == "nccl" and gpus is not None and not is_whole(gpus):
+            why = "gives it none" if gpus == 0 else "is not a whole number (NCCL refuses two ranks on one device)"
+            raise ExportError(f"--backend nccl needs a whole GPU per worker; --num-gpus-per-worker {gpus:g} {why}")
+        if self.writers < 1:
+            raise ExportError(f"--writers must be at least 1, not {self.writers}")
+        if self.bucket_size < 1:
+            raise ExportError("--bucket-size must be positive")
+        if self.vllm_python and self.serve_check != "vllm":
+            raise ExportError("--vllm-python names the Python of the vLLM check: add --serve-check vllm")
+        if self.serve_check_gpus < 0:
+            raise ExportError(f"--serve-check-gpus must not be negative, not {self.serve_check_gpus:g}")
+
+    @property
+    def memory_bound_bytes(self) -> int:
+        """The most memory any process of the export may hold above its start-up footprint: the
+        two buckets a worker holds, and 1 GiB for everything else (the reload check keeps to it)."""
+        return 2 * self.bucket_size + 2**30
+
+    @property
+    def serve(self) -> ServeRequest | None:
+        """The serve check asked for, if any."""
+        if self.serve_check == "none":
+            return None
+        return ServeRequest(self.serve_check, self.vllm_python, self.serve_check_gpus)
+
+    def recorded(self) -> dict[str, Any]:
+        """The options that decide the export's bytes, as stored in the manifest (no secrets)."""
+        return {item.name: getattr(self, item.name) for item in dataclasses.fields(self) if item.metadata["recorded"]}
+
+
+def cli_flag(item: dataclasses.Field) -> str:
+    """The command-line flag of an `ExportOptions` field."""
+    return item.metadata["flag"] or "--" + item.name.replace("_", "-")
+
+
+def add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argument per `ExportOptions` field, in its --help group; bools are switches, sizes
+    and URIs strings, `storage_options` JSON. Defaults come from the fields."""
+    groups = {name: parser.add_argument_group(f"{name} options") for name in GROUPS}
+    for item in dataclasses.fields(ExportOptions):
+        meta = item.metadata
+        if item.default_factory is not dataclasses.MISSING:
+            default = item.default_factory()
+        else:
+            default = None if item.default is dataclasses.MISSING else item.default
+        shown = f"{default:g}" if isinstance(default, float) else default
+        help_text = meta["help"] + (f" (default: {shown})" if default not in (None, False, {}) else "")
+        kwargs: dict[str, Any] = {"dest": item.name, "default": default, "help": help_text}
+        if item.type in ("bool", "bool | None"):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = _ARGUMENT_TYPES.get(item.type, str)
+            kwargs["choices"] = meta["choices"]
+            kwargs["metavar"] = meta["metavar"]
+        groups[meta["group"]].add_argument(cli_flag(item), **kwargs)
+
+
+def options_from_arguments(arguments: argparse.Namespace) -> dict[str, Any]:
+    """The `ExportOptions` fields a parsed command line set, `src` and `dst` included."""
+    return {item.name: getattr(arguments, item.name) for item in dataclasses.fields(ExportOptions)}
+
+
+# argparse types by annotation (this module's annotations are strings); the rest are read as text
+_ARGUMENT_TYPES = {
+    "int | None": int, "int": int, "float": float, "float | None": float, "dict[str, Any]": json.loads,
+}

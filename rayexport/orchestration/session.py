@@ -1,0 +1,82 @@
+"""Joining the Ray cluster an export runs on, or starting a local one set up for the export.
+
+A Ray started here runs no dashboard, and the worker processes its raylet starts with it (one
+per CPU) import what an export's actor runs (torch, the readers, the gather) while Ray's own
+services come up, so that the actors start on processes that are ready."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
+import time
+from typing import Iterator
+
+from rayexport.orchestration.report import timed_stage
+
+# What a worker process imports before it is handed an actor (`ExportWorker`'s module).
+WORKER_MODULE = "rayexport.orchestration.workers"
+
+
+def local_ray_settings(log_level: str) -> dict:
+    """`ray.init`'s arguments for a local Ray. Its raylet starts a worker process per CPU as it
+    comes up; each imports WORKER_MODULE before it is handed an actor."""
+    return {
+        "include_dashboard": False,
+        "logging_level": log_level,
+        "log_to_driver": True,
+        "_system_config": {
+            "preload_python_modules": [WORKER_MODULE],
+            # Ray keeps as many idle workers as there are free CPUs: once the export's placement
+            # group holds them all, it would end the ready processes and start cold ones.
+            "num_workers_soft_limit": os.cpu_count() or 1,
+        },
+    }
+
+
+def starts_own_ray() -> bool:
+    """Whether `ensure_ray` would start a local Ray: this process belongs to none and
+    RAY_ADDRESS names no cluster to join."""
+    import ray
+
+    return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+
+
+def ensure_ray(log_level: str) -> bool:
+    """Join the Ray cluster at RAY_ADDRESS, or start a local one, unless this process already
+    belongs to one. Returns whether it started Ray (and so must stop it)."""
+    import ray
+
+    if starts_own_ray():
+        ray.init(**local_ray_settings(log_level))
+        return True
+    if not ray.is_initialized():
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=log_level, log_to_driver=True)
+    return False
+
+
+@contextlib.contextmanager
+def command_line_session(log_level: str, seconds: dict[str, float], whole_process: bool = False) -> Iterator[None]:
+    """The command line's Ray: started (or joined) at once, while `rayexport.orchestration.job` and what it
+    imports (torch, transformers) load in a thread; stopped on leaving when started here. Into
+    `seconds`: `imports` (any wait for the imports after Ray is up, and with `whole_process`,
+    the program itself, this process's start to here), `ray_start`, and on leaving `ray_stop`."""
+    import ray
+
+    if whole_process:
+        import psutil
+
+        seconds["imports"] = round(time.time() - psutil.Process().create_time(), 3)
+    importing = threading.Thread(target=importlib.import_module, args=("rayexport.orchestration.job",), daemon=True)
+    importing.start()  # an import that fails raises again, with its own message, where it is used
+    with timed_stage(seconds, "ray_start"):
+        started = ensure_ray(log_level)
+    with timed_stage(seconds, "imports"):
+        importing.join()
+    try:
+        yield
+    finally:
+        if started:
+            with timed_stage(seconds, "ray_stop"):
+                ray.shutdown()

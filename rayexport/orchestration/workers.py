@@ -1,0 +1,354 @@
+"""The export's Ray actors. Worker 0 is the exporter: it writes the output files (with
+`--writers K`, workers 0..K-1 each write their own share of them) plus the index, config,
+tokenizer and code.
+
+Each worker reads only the rank files assigned to it, memory-mapped, keeps them open until the
+transfer is done, and gives back the pages it has read after each step, so that its memory
+stays at the transfer window whatever the size of its files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from huggingface_hub import StateDictSplit
+from tqdm import tqdm
+
+from rayexport.orchestration import spool
+from rayexport.transport import gather
+from rayexport.transport.assembly import piece_tensor
+from rayexport.common.dtypes import dtype_of
+from rayexport.common.errors import ExportError
+from rayexport.layouts import registry  # noqa: F401 - each layout's Checkpoint arrives pickled: imported at start, not in a load
+from rayexport.layouts.base import Checkpoint, Part
+from rayexport.layouts.mapped import release_pages
+from rayexport.plan.shards import ShardInfo, local_tensor
+from rayexport.common.levels import reads_whole_files
+from rayexport.plan.lora import merge_lora
+from rayexport.common.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from rayexport.plan.naming import TensorPlan
+from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
+from rayexport.plan.schedule import TransferPlan
+from rayexport.common.scan import max_abs_difference
+from rayexport.storage.store import Store
+from rayexport.verification.consumers import discard_prepared, prepare_consumer_checks, run_consumer_checks
+from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.files import FileCheck, check_files
+from rayexport.transport.writer import WrittenFile, tensor_bytes, write_index, write_shards
+
+log = logging.getLogger(__name__)
+
+# A worker started without an export id (benchmarks/gpu_check.py, tests) makes one of its own,
+# as for an export this long from its deadline.
+STANDALONE_SPOOL_S = 86400.0
+
+
+def _running_ray():
+    """The ray module when this process belongs to a Ray session; None where Ray is not
+    installed or not started (a worker run without Ray, as benchmarks/gpu_check.py does)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray if ray.is_initialized() else None
+
+
+def _assigned_gpus() -> list:
+    """The GPU ids Ray assigned this actor ([] outside Ray)."""
+    ray = _running_ray()
+    return list(ray.get_gpu_ids()) if ray else []
+
+
+def _node_id() -> str:
+    """This worker's Ray node id, or its host name outside Ray."""
+    ray = _running_ray()
+    return ray.get_runtime_context().get_node_id() if ray else socket.gethostname()
+
+
+def run_on_gpus(check: Any, gpus: float, destination: Store, *arguments: Any) -> dict[str, Any]:
+    """A consumer check that asks for `gpus` (the vLLM check), as a Ray task holding them where
+    the cluster has that many, on this node when the export is on this node's own disk; on a
+    cluster without them (or outside Ray) it runs here, on CPU."""
+    ray = _running_ray()
+    if ray is None or ray.cluster_resources().get("GPU", 0) < gpus:
+        return check.run(destination, *arguments)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(_node_id(), soft=False) if destination.is_local else "DEFAULT"
+    task = ray.remote(_run_check).options(num_cpus=0, num_gpus=gpus, scheduling_strategy=here)
+    return ray.get(task.remote(check, destination, *arguments))
+
+
+def _run_check(check: Any, *arguments: Any) -> dict[str, Any]:
+    """The check in a Ray task: its result, and the GPUs Ray gave the task."""
+    import ray
+
+    return {**check.run(*arguments), "ray_gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()]}
+
+
+@contextlib.contextmanager
+def progress_bar(total: int | None, description: str) -> Iterator[Callable[[int], Any]]:
+    """A bar of bytes done, with rate and ETA; yields its update function. Inside Ray, the
+    driver prints a worker's bar as lines of that worker's output (Ray's tqdm support redraws
+    bars in place, which runs them into the driver's own one-line error messages)."""
+    with tqdm(total=total, unit="B", unit_scale=True, desc=description, mininterval=1.0) as bar:
+        yield bar.update
+
+
+@dataclass
+class WorkerStats:
+    """One worker's measurements: where it ran, the bytes it read and received, its whole-life
+    peak memory and its working memory (the peak above what it held before it loaded anything;
+    None where Linux's peak reset is missing), on a GPU the most GPU memory the last transfer
+    held, and the files it wrote."""
+
+    worker: int
+    node: str
+    pid: int
+    device: str
+    bytes_read: int
+    peak_rss_bytes: int
+    working_memory_bytes: int | None
+    peak_gpu_bytes: int | None
+    bytes_received: int = 0
+    files_written: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkerTransfer:
+    """What one worker's part of the gather wrote: its files (size, sha256), the digests of the
+    tensors it wrote, and its stats."""
+
+    files: dict[str, dict[str, Any]]
+    tensor_digests: dict[str, str]
+    stats: WorkerStats
+
+
+class ExportWorker:
+    """One member of the export's process group (a Ray actor)."""
+
+    def __init__(self, index: int, num_workers: int, log_level: str, export_id: str | None = None) -> None:
+        logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
+        self.index = index
+        self.num_workers = num_workers
+        self.device = torch.device("cpu")  # the GPU under NCCL, once it joins the group
+        self.spool_dir: str | None = None
+        self._begin_spool(export_id or spool.new_export_id(STANDALONE_SPOOL_S))
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+        self.mapped: list[tuple[int, int]] = []
+        self.rendezvous = None
+        self.bytes_read = 0
+        self.earlier_peak_rss = 0
+        self.resident_before_load: int | None = None
+        self.prepared_checks: dict[str, Any] = {}
+
+    def prepare_checks(self) -> None:
+        """Worker 0: start what the consumer checks start ahead (the reload's process), so that
+        their imports overlap the export, or, in a warm pool, are done before it starts."""
+        if not self.prepared_checks:
+            self.prepared_checks = prepare_consumer_checks()
+
+    def consumer_checks(self, destination: Store, expected: ExpectedExport, timeout_s: float, memory_bound_bytes: int) -> dict:
+        """Worker 0: run the consumer checks on the written export (each in a process of its
+        own, see `rayexport.verification.consumers`), with what `prepare_checks` started."""
+        prepared, self.prepared_checks = self.prepared_checks, {}
+        return run_consumer_checks(destination, expected, timeout_s, memory_bound_bytes, prepared=prepared, gpu_runner=run_on_gpus)
+
+    def open_rendezvous(self, timeout_s: float, host: str | None = None) -> tuple[str, int]:
+        """Worker 0 only: open the process group's store on `host` (default: this Ray node's
+        address); return where others reach it."""
+        if host is None:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self.rendezvous = gather.open_rendezvous(host, timeout_s)
+        return host, self.rendezvous.port
+
+    def join_group(self, backend: str, host: str, port: int, timeout_s: float) -> None:
+        """Join the export's process group; under NCCL, first take this worker's own GPU."""
+        if backend == "nccl":
+            self.device = self._take_gpu()
+        gather.join_group(
+            backend, self.index, self.num_workers, host, port, timeout_s, store=self.rendezvous,
+            device=self.device if backend == "nccl" else None,
+        )
+
+    def _take_gpu(self) -> torch.device:
+        gpus = _assigned_gpus()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if not torch.cuda.is_available():
+            raise ExportError(
+                f"worker {self.index} was placed for NCCL (Ray GPU ids {gpus}, CUDA_VISIBLE_DEVICES={visible}) "
+                f"but torch finds no CUDA device on {socket.gethostname()}"
+            )
+        device = gather.cuda_device(gpus, visible)
+        torch.cuda.set_device(device.index)
+        return device
+
+    def load(self, checkpoint: Checkpoint, part: Part) -> dict[int, dict[str, ShardInfo]]:
+        """Read this worker's `part` of the checkpoint, as its layout reads it (see
+        `Checkpoint.read`), memory-mapped; describe what each (pseudo-)rank holds."""
+        self._start_measuring()
+        total = checkpoint.part_bytes(part)
+        infos = {}
+        with contextlib.ExitStack() as bars:
+            spooling = checkpoint.spools_remote_files and not checkpoint.store.is_local
+            spooled = (lambda count: None) if not spooling else bars.enter_context(
+                progress_bar(total, f"spool{self.index}")
+            )
+            advance = bars.enter_context(progress_bar(total, f"load{self.index}"))
+            for rank, tensors in checkpoint.read(part, self.spool_dir, spooled).items():
+                self.states[rank] = tensors
+                self.mapped += tensors.mapped_ranges()
+                infos[rank] = tensors.describe(lambda count: (advance(count), self.release_pages()))
+        self.bytes_read += total
+        return infos
+
+    def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
+        """Max |canonical - alias| per pair of source keys, over the (pseudo-)ranks of this
+        worker that hold both; a pair this worker holds no such rank of is left out."""
+        differences: dict[tuple[str, str], float] = {}
+        for pair in pairs:
+            for rank, state in self.states.items():
+                if rank == BASE_MODEL_RANK or pair[0] not in state or pair[1] not in state:
+                    continue
+                difference = max_abs_difference(local_tensor(state[pair[0]]), local_tensor(state[pair[1]]))
+                differences[pair] = max(differences.get(pair, 0.0), difference)
+                self.release_pages()
+        return differences
+
+    def source_digests(self, requests: list[tuple[Piece, str, tuple | None]]) -> list[str]:
+        """sha256 of each requested piece as this worker read it, cast to its output dtype: the
+        verification's reference, taken before the data goes near the gather. A piece of a
+        LoRA-merged weight comes with its adapter, the arguments of `merge_lora` after W (A, B,
+        scale, fan_in_fan_out), and is merged here a block of rows at a time."""
+        digests = []
+        for piece, dtype, adapter in requests:
+            values = self._local(piece)
+            digest = hashlib.sha256()
+            for chunk in [values] if adapter is None else merge_lora(values, *adapter, offset=piece.offset):
+                digest.update(tensor_bytes(chunk.to(dtype_of(dtype))))
+            digests.append(digest.hexdigest())
+            self.release_pages()
+        return digests
+
+    def read_pieces(self, pieces: list[Piece]) -> list[torch.Tensor]:
+        """Copies of pieces this worker holds (LoRA halves, for the verification's reference)."""
+        copies = [self._local(piece).clone() for piece in pieces]
+        self.release_pages()
+        return copies
+
+    def transfer(
+        self,
+        transfer: TransferPlan,
+        plans: dict[str, TensorPlan],
+        destination: Store,
+        index: StateDictSplit | None,
+        carried: dict[str, bytes],
+    ) -> WorkerTransfer:
+        """This worker's part of the gather: send its pieces, and write the output files
+        `transfer` gives it; worker 0 then writes the index of the model's files (`index`, the
+        shard split) and the small files the export carries (config, tokenizer, code)."""
+        started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        my_files = transfer.files[self.index]
+        total = sum(plans[name].nbytes for shard in my_files for name in shard.tensors)
+
+        def write(tensors) -> tuple[list[WrittenFile], dict[str, str]]:
+            with progress_bar(total, f"write{self.index}") as advance:
+                return write_shards(destination, my_files, plans, tensors, advance)
+
+        written, digests = gather.run_transfer(
+            self.index, transfer.buckets, plans, self._local, self.device,
+            write if my_files else None, after_read=self.release_pages,
+        ) or ([], {})
+        index_file = write_index(destination, index) if index is not None else None
+        files = {
+            item.name: {"size": item.size, "sha256": item.sha256} for item in written + ([index_file] if index_file else [])
+        }
+        for name, data in sorted(carried.items()):
+            destination.write_bytes(name, data)
+            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        seconds = time.perf_counter() - started
+        if total:
+            log.info("worker %d wrote %d bytes in %.2f s (%.1f MB/s)", self.index, total, seconds, total / max(seconds, 1e-9) / 1e6)
+        stats = self.stats()
+        stats.bytes_received = gather.received_bytes(transfer.buckets, self.index)
+        stats.files_written = sorted(files)
+        return WorkerTransfer(files, digests, stats)
+
+    def check_files(self, destination: Store, names: list[str], expected: ExpectedExport) -> list[FileCheck]:
+        """Re-read files this worker wrote from the destination and check them (see
+        `rayexport.verification.files.check_files`), with a progress bar of the bytes read."""
+        total = sum(expected.files[name]["size"] for name in names) if reads_whole_files(expected.level) else None
+        with progress_bar(total, f"verify{self.index}") as advance:
+            return check_files(destination, names, expected, advance)
+
+    def stats(self) -> WorkerStats:
+        """Where this worker runs, the bytes it read and its memory so far (see `WorkerStats`)."""
+        peak = peak_rss_bytes()
+        return WorkerStats(
+            worker=self.index, node=_node_id(), pid=os.getpid(), device=str(self.device),
+            bytes_read=self.bytes_read, peak_rss_bytes=max(self.earlier_peak_rss, peak),
+            working_memory_bytes=peak - self.resident_before_load if self.resident_before_load is not None else None,
+            peak_gpu_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+        )
+
+    def _start_measuring(self) -> None:
+        if self.resident_before_load is None:
+            self.earlier_peak_rss = peak_rss_bytes()
+            if reset_peak_rss():
+                self.resident_before_load = rss_bytes()
+
+    def release_pages(self) -> None:
+        """Give back the pages of the mapped rank files read so far (they stay cached)."""
+        release_pages(self.mapped)
+
+    def reset(self, export_id: str | None = None, checks: bool = False) -> None:
+        """Forget the last export (a pooled worker waiting for the next one): its tensors, mapped
+        files, counters and spooled files; given the next export's id, start that export's spool
+        folder; with `checks`, have the consumer checks' processes ready (`prepare_checks`).
+        The process group stays."""
+        if checks:
+            self.prepare_checks()
+        self.states.clear()
+        self.mapped = []
+        self.bytes_read = 0
+        self.resident_before_load = None
+        self._drop_spool()
+        if export_id is not None:
+            self._begin_spool(export_id)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the staging slots' GPU memory, cached by torch's allocator
+
+    def close(self) -> None:
+        gather.leave_group()
+        discard_prepared(self.prepared_checks)
+        self.states.clear()
+        self._drop_spool()
+
+    def _begin_spool(self, export_id: str) -> None:
+        """Sweep the spool folders on this node that dead workers or exports left, then make this
+        worker's folder for `export_id` (see rayexport.orchestration.spool)."""
+        root = spool.spool_root()
+        for path in spool.sweep(root):
+            log.info("worker %d removed the stale spool folder %s", self.index, path)
+        self.spool_dir = spool.make_worker_folder(root, export_id, self.index)
+
+    def _drop_spool(self) -> None:
+        if self.spool_dir is not None:
+            spool.remove_worker_folder(self.spool_dir)
+            self.spool_dir = None
+
+    def _local(self, piece: Piece) -> torch.Tensor:
+        return piece_tensor(local_tensor(self.states[piece.rank][piece.source_key]), piece)

@@ -1,0 +1,68 @@
+"""What a reader reports of each tensor a (pseudo-)rank holds, whatever the layout: its local
+shape, dtype and DTensor placement (`ShardInfo`), read off the tensor without a process group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rayexport.common.dtypes import dtype_name
+from rayexport.common.errors import ExportError
+from rayexport.common.scan import is_finite
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What one rank file holds for one key: enough to place its slice in the global tensor."""
+
+    local_shape: tuple[int, ...]
+    dtype: str
+    global_shape: tuple[int, ...] | None = None  # None: a plain tensor, not a DTensor
+    placements: tuple[str, ...] | None = None  # per mesh dim: "S<d>", "R", or "P"
+    mesh_shape: tuple[int, ...] | None = None
+    mesh_ranks: tuple[int, ...] | None = None  # the device mesh, flattened row-major
+    coordinate: tuple[int, ...] | None = None
+    finite: bool = True  # False when this rank's part holds NaN or Inf
+    # where the part starts in the global tensor, where the reader is told outright (a DCP chunk)
+    offset: tuple[int, ...] | None = None
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The part of a (D)Tensor this rank holds."""
+    to_local = getattr(value, "to_local", None)
+    return to_local() if to_local is not None else value
+
+
+def describe_tensor(value: torch.Tensor, rank: int) -> ShardInfo:
+    """The placement of one rank's (D)Tensor, without needing a process group."""
+    local = local_tensor(value)
+    dtype = dtype_name(local.dtype)
+    finite = is_finite(local)
+    mesh = getattr(value, "device_mesh", None)
+    if mesh is None:
+        return ShardInfo(local_shape=tuple(local.shape), dtype=dtype, finite=finite)
+    positions = (mesh.mesh == rank).nonzero()
+    if len(positions) != 1:
+        raise ExportError(f"rank {rank} is not in the device mesh its own file records")
+    return ShardInfo(
+        local_shape=tuple(local.shape),
+        dtype=dtype,
+        global_shape=tuple(value.shape),
+        placements=tuple(_placement_code(placement) for placement in value.placements),
+        mesh_shape=tuple(mesh.mesh.shape),
+        mesh_ranks=tuple(int(member) for member in mesh.mesh.flatten()),
+        coordinate=tuple(int(index) for index in positions[0]),
+        finite=finite,
+    )
+
+
+def _placement_code(placement) -> str:
+    kind = type(placement).__name__
+    if kind == "Shard":
+        return f"S{placement.dim}"
+    if kind == "Replicate":
+        return "R"
+    if kind == "Partial":
+        return "P"
+    return kind

@@ -1,0 +1,276 @@
+"""Transport: the process group and the bucketed, exact-size gather of shard pieces to rank 0.
+
+Pieces are uneven (torch.chunk rule, possibly empty), so instead of a collective that needs
+equal sizes, each worker packs its pieces of a bucket into one flat byte buffer whose size the
+plan fixes in advance, and the bucket's writer (rank 0, or one of `--writers K`) receives each
+buffer with a point-to-point recv of exactly that size. A writer's own pieces never leave its
+process. Buffers come from a fixed window of staging slots (`Staging`), on the host for gloo and
+pinned host plus GPU for NCCL.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import queue
+import threading
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from rayexport.transport.assembly import output_chunks, pack, unpack
+from rayexport.common.errors import ExportError
+from rayexport.plan.naming import TensorPlan
+from rayexport.plan.pieces import Piece
+from rayexport.plan.schedule import Bucket, packed_offsets
+
+T = TypeVar("T")
+# Buckets in flight per worker: one being written (or sent) while the next is received (or packed).
+WINDOW = 2
+
+
+def open_rendezvous(host: str, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store, on a port the OS picks (no port races); its `.port` is shared."""
+    return dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def join_group(
+    backend: str, rank: int, world_size: int, host: str, port: int, timeout_s: float,
+    store: dist.TCPStore | None = None, device: torch.device | None = None,
+) -> None:
+    """Join the export's process group through rank 0's store; under NCCL, `device` binds the
+    group to this worker's GPU."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device
+    )
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def cuda_device(assigned_gpus: list, visible_devices: str | None) -> torch.device:
+    """The GPU an NCCL worker drives: the first GPU Ray assigned it, counted among the devices
+    the process can see. Ray narrows `CUDA_VISIBLE_DEVICES` to the actor's own GPUs, so that is
+    `cuda:0`; where Ray leaves visibility alone, it is the assigned index itself; a process
+    started without Ray (no assignment) drives the first device it sees."""
+    if not assigned_gpus:
+        return torch.device("cuda", 0)
+    first = str(assigned_gpus[0])
+    if not visible_devices:
+        return torch.device("cuda", int(first))
+    visible = [device.strip() for device in visible_devices.split(",")]
+    if first not in visible:
+        raise ExportError(f"GPU {first} assigned by Ray is not among CUDA_VISIBLE_DEVICES={visible_devices}")
+    return torch.device("cuda", visible.index(first))
+
+
+def _wire_bytes(bucket: Bucket, rank: int) -> int:
+    """Bytes `rank` moves over the network in one bucket: what every other worker sends it when
+    it writes the bucket, else what it sends (a writer's own pieces never travel)."""
+    if bucket.writer == rank:
+        return sum(packed_offsets(pieces)[1] for worker, pieces in enumerate(bucket.sends) if worker != rank)
+    return packed_offsets(bucket.sends[rank])[1]
+
+
+def staging_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
+    """The largest number of bytes `rank` sends or receives in one bucket: the size of each of
+    its staging buffers."""
+    return max((_wire_bytes(bucket, rank) for bucket in buckets), default=0)
+
+
+class _Slot:
+    """One bucket's buffers: `host` is where bytes are packed and read (pinned when a GPU is
+    used), `wire` what the process group sends from or receives into (`host` itself on the
+    CPU, a buffer of the same size on the GPU)."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        on_gpu = device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=on_gpu)
+        self.wire = torch.empty(capacity, dtype=torch.uint8, device=device) if on_gpu else self.host
+
+
+class Staging:
+    """The window's buffers: `size` slots allocated once and reused bucket after bucket, so a
+    worker's memory for the gather (host, and GPU under NCCL) is `size` times its largest
+    bucket, whatever the model's size.
+
+    How the order of the bytes is guaranteed (the host reads a received slot only once
+    `receive` has returned, and reuses a sent one only once `finish_send` has):
+    - gloo: the process group reads and writes the host buffer itself, and `Work.wait()`
+      returns once it has.
+    - NCCL: `Work.wait()` only makes the current CUDA stream wait for NCCL's stream, and the
+      host goes on at once. So a send packs into the pinned host buffer, copies it to the GPU on
+      this worker's own stream, makes the current stream wait for that copy before the send is
+      queued (NCCL's stream waits on the current one); a receive makes this worker's stream
+      wait for the current one (which waited for the receives) before copying the bytes back
+      to the host, once. Each side ends by recording an event after the last of that work and
+      blocking the host on it: only then is the slot's host buffer read, or the slot reused.
+    """
+
+    def __init__(self, device: torch.device, capacity: int, size: int = WINDOW) -> None:
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.on_gpu else None
+        self.free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        for _ in range(size):
+            self.free.put(_Slot(capacity, device))
+        self.sends: collections.deque[tuple[dist.Work, _Slot]] = collections.deque()
+
+    def acquire(self, writer_failed: Callable[[], bool]) -> _Slot | None:
+        """A free slot, finishing the oldest send first when none is; None if the writer failed.
+        A received bucket holds its slot until it is written, a sent one until it has left."""
+        while not writer_failed():
+            try:
+                return self.free.get(block=not self.sends, timeout=None if self.sends else 0.2)
+            except queue.Empty:
+                if self.sends:
+                    self.finish_send()
+        return None
+
+    def release(self, slot: _Slot) -> None:
+        self.free.put(slot)
+
+    def send(self, slot: _Slot, pieces: tuple[Piece, ...], tensors: list[torch.Tensor], writer: int) -> None:
+        """Pack `tensors` into the slot and start sending them to `writer`; the slot comes back
+        once the send has left it (`finish_send`)."""
+        size = pack(pieces, tensors, into=slot.host).numel()
+        self.to_wire(slot, size)
+        self.sends.append((dist.isend(slot.wire[:size], dst=writer), slot))
+
+    def finish_send(self) -> None:
+        """Wait until the oldest send has left its slot's buffers, then free the slot."""
+        work, slot = self.sends.popleft()
+        work.wait()
+        if self.on_gpu:
+            self._block_host(torch.cuda.current_stream(self.device))
+        self.release(slot)
+
+    def receive(self, slot: _Slot, bucket: Bucket, rank: int) -> dict[Piece, torch.Tensor]:
+        """Every other worker's pieces of `bucket`, received concurrently into the slot; returns
+        views of them in the slot's host buffer."""
+        requests, placed, position = [], [], 0
+        for worker, pieces in enumerate(bucket.sends):
+            if worker == rank or not pieces:
+                continue
+            size = packed_offsets(pieces)[1]
+            if size:  # a worker whose pieces are all empty sends nothing
+                requests.append(dist.irecv(slot.wire[position:position + size], src=worker))
+            placed.append((pieces, position, size))
+            position += size
+        for request in requests:
+            request.wait()
+        self.to_host(slot, position)
+        received = {}
+        for pieces, start, size in placed:
+            received.update(zip(pieces, unpack(pieces, slot.host[start:start + size])))
+        return received
+
+    def to_wire(self, slot: _Slot, size: int) -> None:
+        """The first `size` packed bytes, copied to the GPU on this worker's stream; work queued
+        on the current stream after this (the send) waits for the copy. Nothing on the CPU."""
+        if self.on_gpu and size:
+            with torch.cuda.stream(self.stream):
+                slot.wire[:size].copy_(slot.host[:size], non_blocking=True)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def to_host(self, slot: _Slot, size: int) -> None:
+        """The first `size` received bytes, copied once to the host after the work queued on
+        the current stream (the receives); returns when they are there. Nothing on the CPU."""
+        if self.on_gpu and size:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                slot.host[:size].copy_(slot.wire[:size], non_blocking=True)
+            self._block_host(self.stream)
+
+    def _block_host(self, stream: torch.cuda.Stream) -> None:
+        done = torch.cuda.Event()
+        done.record(stream)
+        done.synchronize()
+
+
+def run_transfer(
+    rank: int,
+    buckets: tuple[Bucket, ...],
+    plans: dict[str, TensorPlan],
+    local_piece: Callable[[Piece], torch.Tensor],
+    device: torch.device,
+    write: Callable[[Iterator[tuple[str, list[torch.Tensor]]]], T] | None,
+    window: int = WINDOW,
+    after_read: Callable[[], None] = lambda: None,
+) -> T | None:
+    """This worker's part of the gather, stepping through the buckets in the planned order.
+
+    It packs and sends its pieces of other writers' buckets (packing bucket k+1 while bucket k
+    is on the wire) and receives its own buckets, whose tensors go, in order, to `write`
+    running in a thread, so receiving bucket k+1 overlaps writing bucket k. At most `window`
+    buckets are held at once (see `Staging`). `after_read` runs once a bucket's source bytes
+    have been packed or written (to give back mapped pages). Returns what `write` returns
+    (None when this worker writes nothing)."""
+    ready: queue.Queue = queue.Queue()
+    staging = Staging(device, staging_bytes(buckets, rank), window)
+    outcome: dict[str, Any] = {}
+    holding: list[_Slot] = []  # the slot of the bucket the writer is on
+
+    def outputs() -> Iterator[tuple[str, list[torch.Tensor]]]:
+        while (item := ready.get()) is not None:
+            bucket, slot, pieces = item
+            holding.append(slot)
+            for name in bucket.tensors:
+                yield name, output_chunks(plans[name], pieces)
+            del item, pieces
+            staging.release(holding.pop())
+            after_read()
+
+    def writer() -> None:
+        try:
+            outcome["result"] = write(outputs())
+        except BaseException as error:  # handed to the main thread, which raises it
+            outcome["error"] = error
+        if holding:  # the writer is done with the last bucket it took
+            staging.release(holding.pop())
+
+    def writer_failed() -> bool:
+        return "error" in outcome
+
+    thread = None
+    if write is not None:
+        thread = threading.Thread(target=writer, name=f"rayexport-writer{rank}", daemon=True)
+        thread.start()
+    try:
+        for bucket in buckets:
+            if bucket.writer == rank:
+                if (slot := staging.acquire(writer_failed)) is None:
+                    break
+                pieces = staging.receive(slot, bucket, rank)
+                pieces.update((piece, local_piece(piece)) for piece in bucket.sends[rank])
+                ready.put((bucket, slot, pieces))
+                del pieces
+            elif _wire_bytes(bucket, rank):
+                if (slot := staging.acquire(writer_failed)) is None:
+                    break
+                pieces = bucket.sends[rank]
+                staging.send(slot, pieces, [local_piece(piece) for piece in pieces], bucket.writer)
+                after_read()
+        while staging.sends and not writer_failed():
+            staging.finish_send()
+    finally:
+        ready.put(None)
+        if thread is not None:
+            thread.join()
+    if writer_failed():
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+def received_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
+    """Bytes `rank` receives over the network in the gather (its own pieces never travel)."""
+    return sum(_wire_bytes(bucket, rank) for bucket in buckets if bucket.writer == rank)
