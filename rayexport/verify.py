@@ -12,10 +12,10 @@ from dataclasses import replace
 
 from rayexport.common.errors import ExportError, print_error
 from rayexport.common.levels import FULL, QUICK
-from rayexport.transport.manifest import MANIFEST_NAME, read_manifest
 from rayexport.orchestration.options import parse_size
-from rayexport.storage.store import Store
 from rayexport.storage.settings import storage_options_from_env
+from rayexport.storage.store import Store
+from rayexport.transport.manifest import MANIFEST_NAME, read_manifest
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.outcome import verify_export
 from rayexport.verification.serving import ENGINES, ServeRequest

@@ -20,8 +20,8 @@ from typing import Any
 
 from rayexport.common.errors import ExportError, one_line
 from rayexport.layouts import registry
-from rayexport.transport.manifest import read_manifest
 from rayexport.storage.store import Store
+from rayexport.transport.manifest import read_manifest
 
 log = logging.getLogger(__name__)
 

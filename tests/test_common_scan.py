@@ -4,8 +4,8 @@ comparison, both a bounded chunk at a time."""
 import pytest
 import torch
 
-from rayexport.plan.shards import describe_tensor
 from rayexport.common.scan import is_finite, max_abs_difference
+from rayexport.plan.shards import describe_tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])

@@ -18,8 +18,8 @@ import time
 import pytest
 import s3fs
 
-from rayexport.orchestration import spool
 from rayexport.common.errors import ExportError
+from rayexport.orchestration import spool
 from rayexport.orchestration.job import export
 from rayexport.transport.manifest import MANIFEST_NAME
 from rayexport.verify import verify_uri

@@ -17,14 +17,14 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
 from rayexport.common.errors import ExportError
-from rayexport.orchestration.job import export
+from rayexport.common.scan import CHUNK_ELEMENTS
 from rayexport.layouts.dcp import find_dcp_checkpoint, read_file_chunks, read_tensors
-from rayexport.layouts.dcp_spool import _chunk_is_finite, spool_offsets
 from rayexport.layouts.dcp_metadata import DCP_METADATA
+from rayexport.layouts.dcp_spool import _chunk_is_finite, spool_offsets
 from rayexport.layouts.registry import detect_layout, snapshot
+from rayexport.orchestration.job import export
 from rayexport.plan.schedule import assign_by_bytes
 from rayexport.plan.shards import ShardInfo
-from rayexport.common.scan import CHUNK_ELEMENTS
 from rayexport.storage.store import Store
 from support.checkpoints import DcpJob, write_dcp_checkpoint, write_dcp_checkpoints
 from support.helpers import BUCKET, upload

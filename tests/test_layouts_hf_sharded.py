@@ -23,8 +23,8 @@ from rayexport.layouts.registry import detect_layout, find_checkpoint, snapshot
 from rayexport.model.description import hf_folder
 from rayexport.orchestration.nodes import files_below
 from rayexport.plan.pieces import tensor_pieces
-from rayexport.storage.store import Store
 from rayexport.storage.nodes import NodeFiles, node_labels, spread_store
+from rayexport.storage.store import Store
 from support.models import tiny_config, write_hf_folder
 
 RANK_FILES = (

@@ -4,8 +4,8 @@ what the conversion computes on real tensors, and anything else is refused by op
 import pytest
 import torch
 
-from rayexport.model.conversion import model_formats, trace
 from rayexport.common.errors import ExportError
+from rayexport.model.conversion import model_formats, trace
 from rayexport.model.description import build_meta_model, expected_tensors
 from rayexport.plan.ties import find_tie_aliases
 from test_plan_tiles import rebuild

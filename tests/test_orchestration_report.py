@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rayexport.plan.naming import choose_dtype
 from rayexport.orchestration.report import ExportReport, timed_stage
+from rayexport.plan.naming import choose_dtype
 
 
 def summary(**fields) -> str:

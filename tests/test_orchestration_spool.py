@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from rayexport.orchestration import spool
 from rayexport.common.errors import ExportError
+from rayexport.orchestration import spool
 
 NOW = 1_800_000_000.0
 LIVE = spool.Owner("4026531836", 4242, "1000")

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from rayexport.common.errors import ExportError
-from rayexport.orchestration.waits import cancel_unfinished, get_all, step_limit
 from rayexport.orchestration.options import ExportOptions
+from rayexport.orchestration.waits import cancel_unfinished, get_all, step_limit
 
 
 def test_a_step_gets_the_timeout_unless_the_job_deadline_is_nearer():

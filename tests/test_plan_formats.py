@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from rayexport.model.conversion import model_formats
 from rayexport.common.errors import ExportError
+from rayexport.model.conversion import model_formats
 from rayexport.model.description import build_meta_model, expected_tensors
 from rayexport.plan.formats import IN_MEMORY, ON_DISK, choose_naming, convert_plans
 from rayexport.plan.naming import LoraMerge, plan_holdings

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from rayexport.common.errors import ExportError
-from rayexport.plan.shards import describe_tensor
+from rayexport.model.description import expected_tensors
+from rayexport.plan.formats import IN_MEMORY, ModelFormats, Naming
 from rayexport.plan.lora import (
     LoraSettings, adapter_config, adapter_tensor_name, fan_in_fan_out_weights, lora_settings, merge_lora,
     split_peft_names,
 )
-from rayexport.model.description import expected_tensors
-from rayexport.plan.formats import IN_MEMORY, ModelFormats, Naming
 from rayexport.plan.naming import LoraRequest, plan_holdings
 from rayexport.plan.pieces import holders_from_ranks
+from rayexport.plan.shards import describe_tensor
 from rayexport.transport.assembly import output_chunks
 
 Q = "base_model.model.model.layers.0.self_attn.q_proj"

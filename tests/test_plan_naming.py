@@ -5,8 +5,8 @@ shards that do not add up), and each output's dtype."""
 import pytest
 
 from rayexport.common.errors import ExportError
-from rayexport.plan.shards import ShardInfo
 from rayexport.plan.naming import choose_dtype, output_dtype
+from rayexport.plan.shards import ShardInfo
 
 from support.plan_cases import EMBED, HEAD, NORM, TIED, expected_of, fsdp2_ranks, plan_tensors
 

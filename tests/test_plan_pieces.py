@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rayexport.common.errors import ExportError
-from rayexport.plan.shards import ShardInfo
 from rayexport.plan.pieces import needed_ranks, shard_extent
+from rayexport.plan.shards import ShardInfo
 
 from support.plan_cases import EMBED, NORM, extent_info, fsdp2_ranks
 

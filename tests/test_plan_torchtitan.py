@@ -7,15 +7,15 @@ import pytest
 import torch
 import transformers
 
-from rayexport.transport.assembly import assemble, piece_tensor
-from rayexport.model.conversion import model_formats
 from rayexport.common.errors import ExportError
+from rayexport.model.conversion import model_formats
 from rayexport.model.description import build_meta_model, expected_tensors
 from rayexport.plan.formats import IN_MEMORY, ON_DISK
 from rayexport.plan.naming import match_names, plan_holdings
 from rayexport.plan.pieces import holders_from_ranks
-from rayexport.plan.torchtitan import torchtitan_namings
 from rayexport.plan.ties import find_tie_aliases
+from rayexport.plan.torchtitan import torchtitan_namings
+from rayexport.transport.assembly import assemble, piece_tensor
 from support.models import tiny_format_config
 from support.plan_cases import fsdp2_ranks
 

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import pytest
 from safetensors.torch import load_file, save_file
 
-from rayexport.transport.manifest import MANIFEST_NAME
 from rayexport.storage.store import Store
+from rayexport.transport.manifest import MANIFEST_NAME
 from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.serving import ServeRequest

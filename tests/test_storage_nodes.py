@@ -8,8 +8,8 @@ import pytest
 
 from rayexport.common.errors import ExportError
 from rayexport.orchestration.nodes import files_below
-from rayexport.storage.store import Store
 from rayexport.storage.nodes import NodeFiles, PinnedStore, SpreadStore, node_labels, spread_store
+from rayexport.storage.store import Store
 
 
 class FolderNodes:

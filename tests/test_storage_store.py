@@ -9,10 +9,10 @@ import pickle
 import boto3
 import pytest
 
-from rayexport.storage import reads, s3 as storage_s3
 from rayexport.common.errors import ExportError
-from rayexport.storage.store import Store
+from rayexport.storage import reads, s3 as storage_s3
 from rayexport.storage.settings import storage_options_from_env
+from rayexport.storage.store import Store
 from support.fault_proxy import FaultProxy
 from support.helpers import BUCKET, s3_exists
 

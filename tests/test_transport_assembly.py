@@ -4,10 +4,10 @@ together from uneven, empty and 2-D pieces."""
 import torch
 from support.plan_cases import piece_region
 
-from rayexport.transport.assembly import assemble, output_chunks, pack, unpack
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import packed_offsets
+from rayexport.transport.assembly import assemble, output_chunks, pack, unpack
 
 
 def test_pack_unpack_round_trip_mixed_dtypes():

@@ -7,10 +7,10 @@ import torch
 import torch.multiprocessing as multiprocessing
 from support.plan_cases import piece_region, plan_tensors
 
-from rayexport.plan.shards import ShardInfo
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import ShardFile, assign_ranks, packed_offsets, plan_transfer
+from rayexport.plan.shards import ShardInfo
 from rayexport.transport.gather import run_transfer
 
 CPU = torch.device("cpu")

@@ -8,8 +8,8 @@ import datetime
 import pytest
 
 from rayexport.common.errors import ExportError
-from rayexport.transport.manifest import MANIFEST_FORMAT, MANIFEST_NAME, build_manifest, commit, read_manifest
 from rayexport.storage.store import Store
+from rayexport.transport.manifest import MANIFEST_FORMAT, MANIFEST_NAME, build_manifest, commit, read_manifest
 
 EXPECTED = {
     "files": {"model-00002-of-00002.safetensors": {"size": 20, "sha256": "b" * 64},

@@ -9,9 +9,9 @@ from rayexport.verification.consumers import (
     CONSUMER_CHECKS, ConsumerCheck, TransformersReload, consumer_warnings, prepare_consumer_checks, run_consumer_checks,
 )
 from rayexport.verification.expected import ExpectedExport
+from rayexport.verification.outcome import verification_outcome
 from rayexport.verification.serving import ServeRequest
 from rayexport.verification.serving.vllm_check import VllmServe
-from rayexport.verification.outcome import verification_outcome
 
 FILE_CHECKS = {"files": {"files": 3, "bytes_read": 10}}
 

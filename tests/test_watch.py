@@ -13,8 +13,8 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from rayexport.common.errors import ExportError
-from rayexport.storage.store import Store
 from rayexport.storage.settings import storage_options_from_env
+from rayexport.storage.store import Store
 from rayexport.watch import (
     CLAIM_NAME, CLAIM_STALE_S, Candidate, claim, destination_for, exclusive_create_honoured, find_candidates, watch_once,
 )

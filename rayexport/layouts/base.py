@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
+from rayexport.layouts.mapped import mapped_ranges
 from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
 
@@ -53,6 +54,25 @@ class SourceTensors(Mapping):
     def mapped_ranges(self) -> list[tuple[int, int]]:
         """The address ranges of the files these tensors map, for `release_pages`."""
         return []
+
+
+class MappedTensors(SourceTensors):
+    """Tensors by key that are views of one memory-mapped file at `path` (None: it holds none)."""
+
+    def __init__(self, tensors: dict[str, Any], path: str | None) -> None:
+        self.tensors, self.path = tensors, path
+
+    def __getitem__(self, key: str) -> Any:
+        return self.tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        return mapped_ranges(self.path) if self.path else []
 
 
 @dataclass

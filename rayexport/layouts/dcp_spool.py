@@ -9,7 +9,7 @@ import mmap
 import os
 import tempfile
 import warnings
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from rayexport.common.dtypes import dtype_name, dtype_of
 from rayexport.common.errors import ExportError
-from rayexport.layouts.base import Advance, SourceTensors
-from rayexport.layouts.dcp_metadata import DcpTensor, reason, storage_reader, unwrap
-from rayexport.layouts.mapped import mapped_ranges, release_pages
-from rayexport.plan.shards import ShardInfo
 from rayexport.common.scan import CHUNK_ELEMENTS, is_finite
+from rayexport.layouts.base import Advance, MappedTensors
+from rayexport.layouts.dcp_metadata import DcpTensor, reason, storage_reader, unwrap
+from rayexport.layouts.mapped import release_pages
+from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
 
 # Where tensors start in a worker's spool file: a multiple of every dtype's size.
@@ -51,7 +51,7 @@ def spool(
     return state, finite, path
 
 
-class SpooledTensors(SourceTensors):
+class SpooledTensors(MappedTensors):
     """A worker's share of a DCP checkpoint: whole tensors by model key, views of one spool file
     mapped into this process (read from disk only when touched), and whether each is finite."""
 
@@ -59,19 +59,9 @@ class SpooledTensors(SourceTensors):
         self, tensors: dict[str, torch.Tensor], finite: dict[str, bool], path: str | None,
         chunks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
     ) -> None:
-        self.tensors = tensors
+        super().__init__(tensors, path)
         self.finite = finite
-        self.path = path  # None when it holds nothing
         self.chunks = chunks or {}  # model key -> (offset, global shape), for chunks of tensors
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.tensors[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
         """Every tensor (a plain, whole tensor, or a chunk placed in its tensor), with the
@@ -85,10 +75,6 @@ class SpooledTensors(SourceTensors):
             )
             advance(tensor.nbytes)
         return infos
-
-    def mapped_ranges(self) -> list[tuple[int, int]]:
-        """The address ranges of the spool file's mapping, for `release_pages`."""
-        return mapped_ranges(self.path) if self.path else []
 
 
 def spool_offsets(tensors: list[DcpTensor]) -> tuple[list[int], int]:

@@ -13,8 +13,8 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE
 from rayexport.common.dtypes import TORCH_NAME_OF_CODE, nbytes
 from rayexport.common.errors import ExportError, one_line
 from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, SourceTensors
-from rayexport.plan.shards import ShardInfo
 from rayexport.plan.pieces import BASE_MODEL_RANK
+from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
 
 

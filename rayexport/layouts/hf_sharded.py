@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from torch.distributed.checkpoint._hf_utils import _gen_file_name, _metadata_fn
 
 from rayexport.common.errors import ExportError, one_line
+from rayexport.common.scan import is_finite
 from rayexport.layouts.base import HF_DIR, Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors
 from rayexport.layouts.hf import SafetensorsFiles
 from rayexport.layouts.hf_sharded_headers import Piece, full_shape, header_pieces, read_header
 from rayexport.layouts.mapped import local_file, mapped_ranges
-from rayexport.plan.shards import ShardInfo
 from rayexport.layouts.verl import spans
 from rayexport.plan.pieces import holders_by_key
 from rayexport.plan.schedule import assign_ranks
-from rayexport.common.scan import is_finite
+from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
 
 SHARD_FILE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")

@@ -8,18 +8,18 @@ import pickle
 import re
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import (
-    HF_DIR, Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
+    HF_DIR, Advance, Checkpoint, Loaded, LoadStep, MappedTensors, SourceSettings, SourceTensors, marker_snapshot,
 )
-from rayexport.layouts.mapped import local_file, mapped_ranges
-from rayexport.plan.shards import ShardInfo, describe_tensor, local_tensor
+from rayexport.layouts.mapped import local_file
 from rayexport.plan.pieces import holders_from_ranks, needed_ranks
 from rayexport.plan.schedule import assign_ranks
+from rayexport.plan.shards import ShardInfo, describe_tensor, local_tensor
 from rayexport.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -78,33 +78,22 @@ class VerlCheckpoint(Checkpoint):
         return states
 
 
-class RankTensors(SourceTensors):
+class RankTensors(MappedTensors):
     """One rank file's state dict, memory-mapped: (D)Tensors by key."""
 
     def __init__(self, state: dict[str, torch.Tensor], rank: int, path: str, file_size: int) -> None:
-        self.state, self.rank, self.path, self.file_size = state, rank, path, file_size
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.state[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.state)
-
-    def __len__(self) -> int:
-        return len(self.state)
+        super().__init__(state, path)
+        self.rank, self.file_size = rank, file_size
 
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
         """Each tensor's placement; `advance` gets each tensor's share of the file's bytes, so a
         bar of the files' bytes ends at their size."""
-        scale = self.file_size / max(1, sum(local_tensor(value).nbytes for value in self.state.values()))
+        scale = self.file_size / max(1, sum(local_tensor(value).nbytes for value in self.tensors.values()))
         infos = {}
-        for key, value in self.state.items():
+        for key, value in self.tensors.items():
             infos[key] = describe_tensor(value, self.rank)
             advance(round(local_tensor(value).nbytes * scale))
         return infos
-
-    def mapped_ranges(self) -> list[tuple[int, int]]:
-        return mapped_ranges(self.path)
 
 
 class VerlLayout:

@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from rayexport.model.conversion import model_formats
 from rayexport.common.dtypes import dtype_name, dtype_of
 from rayexport.common.errors import ExportError, one_line
-from rayexport.plan.lora import ADAPTER_CONFIG, adapter_config, fan_in_fan_out_weights
-from rayexport.plan.formats import ModelFormats
-from rayexport.plan.naming import TensorPlanning
+from rayexport.model.conversion import model_formats
 from rayexport.model.remote_code import auto_map_files, bundle_model_code
-from rayexport.storage.store import Store
+from rayexport.plan.formats import ModelFormats
+from rayexport.plan.lora import ADAPTER_CONFIG, adapter_config, fan_in_fan_out_weights
+from rayexport.plan.naming import TensorPlanning
 from rayexport.plan.ties import find_tie_aliases
+from rayexport.storage.store import Store
 
 WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.safetensors\.index\.json|\.bin\.index\.json)$")
 

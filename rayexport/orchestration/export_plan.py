@@ -13,14 +13,14 @@ from typing import Any
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import Checkpoint, SourceSettings
 from rayexport.layouts.registry import find_checkpoint
-from rayexport.transport.manifest import read_manifest
 from rayexport.orchestration.nodes import ClusterNodes, RayOnNode, ask_nodes, cluster_nodes
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.placement import reading_node, worker_capacity
 from rayexport.orchestration.report import timed_stage
-from rayexport.storage.store import Store
-from rayexport.storage.settings import storage_options_from_env
 from rayexport.storage.nodes import PinnedStore, spread_store
+from rayexport.storage.settings import storage_options_from_env
+from rayexport.storage.store import Store
+from rayexport.transport.manifest import read_manifest
 
 log = logging.getLogger(__name__)
 

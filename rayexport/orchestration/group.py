@@ -13,27 +13,27 @@ from typing import Any
 
 from huggingface_hub import StateDictSplit
 
-from rayexport.orchestration import spool
-from rayexport.transport.assembly import assemble
 from rayexport.common.dtypes import nbytes
 from rayexport.common.errors import ExportError
-from rayexport.layouts.base import Checkpoint, Loaded, Part
 from rayexport.common.levels import resolved, runs_checks
+from rayexport.layouts.base import Checkpoint, Loaded, Part
+from rayexport.orchestration import spool
 from rayexport.orchestration.nodes import ClusterNodes
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.placement import (
     Devices, NodePlacement, bundle_text, choose_devices, missing_resources, pin_writers, place_by_files, reading_node, worker_capacity,
 )
+from rayexport.orchestration.pool import IdleGroup, get_keeper, group_shape
+from rayexport.orchestration.session import ensure_ray
+from rayexport.orchestration.waits import all_succeed, get_all, step_limit
+from rayexport.orchestration.workers import ExportWorker, WorkerStats
 from rayexport.plan.naming import TensorPlan, TensorPlanning
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import TransferPlan, group_by_bytes
-from rayexport.orchestration.pool import IdleGroup, get_keeper, group_shape
-from rayexport.orchestration.session import ensure_ray
 from rayexport.storage.store import Store
-from rayexport.orchestration.waits import all_succeed, get_all, step_limit
+from rayexport.transport.assembly import assemble
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.files import FileCheck
-from rayexport.orchestration.workers import ExportWorker, WorkerStats
 
 log = logging.getLogger(__name__)
 

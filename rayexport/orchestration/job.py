@@ -15,28 +15,28 @@ from typing import Any
 
 from rayexport.common.dtypes import nbytes
 from rayexport.common.errors import ExportError
-from rayexport.orchestration.export_plan import ExportPlan, plan_export
-from rayexport.orchestration.group import Transferred, WorkerGroup
+from rayexport.common.levels import resolved, runs_checks
+from rayexport.common.memory import peak_rss_bytes
 from rayexport.layouts.base import Loaded
 from rayexport.layouts.hf import base_model_folder
-from rayexport.common.levels import resolved, runs_checks
-from rayexport.plan.lora import ADAPTER_WEIGHTS
-from rayexport.transport.manifest import MANIFEST_NAME, build_manifest, commit
-from rayexport.common.memory import peak_rss_bytes
 from rayexport.model.description import ModelDescription, describe_model, generated_files, hf_folder
+from rayexport.orchestration.export_plan import ExportPlan, plan_export
+from rayexport.orchestration.group import Transferred, WorkerGroup
 from rayexport.orchestration.options import ExportOptions
+from rayexport.orchestration.report import ExportReport, timed_stage
+from rayexport.orchestration.workers import WorkerStats
 from rayexport.plan.formats import ModelFormats
+from rayexport.plan.lora import ADAPTER_WEIGHTS
 from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, match_names, plan_holdings
 from rayexport.plan.schedule import ShardFile, TransferPlan, plan_shard_files, plan_transfer, safetensors_order
-from rayexport.orchestration.report import ExportReport, timed_stage
-from rayexport.storage.store import Store
 from rayexport.plan.ties import check_tied_values
+from rayexport.storage.store import Store
+from rayexport.transport.manifest import MANIFEST_NAME, build_manifest, commit
 from rayexport.verification import VerificationError
 from rayexport.verification.consumers import consumer_warnings
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.outcome import verification_outcome
 from rayexport.verification.structure import conclude
-from rayexport.orchestration.workers import WorkerStats
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 from rayexport.common.errors import ExportError
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.session import ensure_ray
-from rayexport.storage.store import Store
-from rayexport.storage.nodes import NodeFiles, node_labels
 from rayexport.orchestration.waits import cancel_unfinished
+from rayexport.storage.nodes import NodeFiles, node_labels
+from rayexport.storage.store import Store
 
 log = logging.getLogger(__name__)
 

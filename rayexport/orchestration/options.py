@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayexport.common.errors import ExportError
-from rayexport.layouts import LAYOUT_NAMES
 from rayexport.common.levels import AUTO, LEVELS
+from rayexport.layouts import LAYOUT_NAMES
 from rayexport.orchestration.placement import is_whole
 from rayexport.plan.formats import FORMATS, ON_DISK
 from rayexport.verification.serving import ENGINES, ServeRequest

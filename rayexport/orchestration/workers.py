@@ -22,27 +22,27 @@ import torch
 from huggingface_hub import StateDictSplit
 from tqdm import tqdm
 
-from rayexport.orchestration import spool
-from rayexport.transport import gather
-from rayexport.transport.assembly import piece_tensor
 from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
+from rayexport.common.levels import reads_whole_files
+from rayexport.common.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from rayexport.common.scan import max_abs_difference
 from rayexport.layouts import registry  # noqa: F401 - each layout's Checkpoint arrives pickled: imported at start, not in a load
 from rayexport.layouts.base import Checkpoint, Part
 from rayexport.layouts.mapped import release_pages
-from rayexport.plan.shards import ShardInfo, local_tensor
-from rayexport.common.levels import reads_whole_files
+from rayexport.orchestration import spool
 from rayexport.plan.lora import merge_lora
-from rayexport.common.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
 from rayexport.plan.schedule import TransferPlan
-from rayexport.common.scan import max_abs_difference
+from rayexport.plan.shards import ShardInfo, local_tensor
 from rayexport.storage.store import Store
+from rayexport.transport import gather
+from rayexport.transport.assembly import piece_tensor
+from rayexport.transport.writer import WrittenFile, tensor_bytes, write_index, write_shards
 from rayexport.verification.consumers import discard_prepared, prepare_consumer_checks, run_consumer_checks
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.files import FileCheck, check_files
-from rayexport.transport.writer import WrittenFile, tensor_bytes, write_index, write_shards
 
 log = logging.getLogger(__name__)
 

@@ -10,15 +10,15 @@ from typing import Callable, Iterable
 
 from rayexport.common.dtypes import SAFETENSORS_DTYPES, dtype_of, nbytes
 from rayexport.common.errors import ExportError
-from rayexport.plan.shards import ShardInfo
+from rayexport.plan.formats import IN_MEMORY, ModelFormats, choose_naming, convert_plans
+from rayexport.plan.keys import normalize_key
 from rayexport.plan.lora import (
     LoraSettings, LoraTarget, adapter_tensor_name, is_peft_checkpoint, lora_settings, split_peft_names,
 )
-from rayexport.plan.keys import normalize_key
-from rayexport.plan.formats import IN_MEMORY, ModelFormats, choose_naming, convert_plans
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, tensor_pieces
-from rayexport.plan.torchtitan import torchtitan_names
+from rayexport.plan.shards import ShardInfo
 from rayexport.plan.ties import TieResolution, resolve_tied_names
+from rayexport.plan.torchtitan import torchtitan_names
 
 
 @dataclass(frozen=True)

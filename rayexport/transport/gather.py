@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from rayexport.transport.assembly import output_chunks, pack, unpack
 from rayexport.common.errors import ExportError
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import Bucket, packed_offsets
+from rayexport.transport.assembly import output_chunks, pack, unpack
 
 T = TypeVar("T")
 # Buckets in flight per worker: one being written (or sent) while the next is received (or packed).

@@ -16,10 +16,10 @@ from rayexport.common.dtypes import TORCH_NAME_OF_CODE, dtype_of, nbytes
 from rayexport.common.errors import one_line
 from rayexport.common.levels import reads_whole_files
 from rayexport.storage.store import Store
+from rayexport.transport.writer import tensor_bytes
 from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.reading import READ_AHEAD, READ_BLOCK, is_weights_file, read_header
-from rayexport.transport.writer import tensor_bytes
 
 Read = tuple[int, int, "tuple[str, int] | None"]  # [start, end) and the tensor and first row it holds
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rayexport.demo import fully_shard_model, run_gloo_ranks, save_rank_state, write_fsdp_config, write_hf_folder
 from rayexport.common.dtypes import dtype_of
+from rayexport.demo import fully_shard_model, run_gloo_ranks, save_rank_state, write_fsdp_config, write_hf_folder
 from rayexport.layouts.verl import rank_file_name
 from support.models import (
     PROMPT_IDS, build_format_model, build_model, model_of, reference_logits, saved_state, tiny_format_config,

@@ -10,8 +10,8 @@ import tempfile
 
 import torch
 
-from rayexport.demo import build_model, tiny_config, write_hf_folder  # noqa: F401 - the tests' source of them
 from rayexport.common.dtypes import dtype_of
+from rayexport.demo import build_model, tiny_config, write_hf_folder  # noqa: F401 - the tests' source of them
 
 # The prompt every reference logit is computed on.
 PROMPT_IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]

@@ -5,10 +5,10 @@ import math
 
 import torch
 
-from rayexport.plan.shards import ShardInfo
-from rayexport.plan.pieces import holders_from_ranks
 from rayexport.plan.formats import IN_MEMORY, ModelFormats, Naming
 from rayexport.plan.naming import plan_holdings
+from rayexport.plan.pieces import holders_from_ranks
+from rayexport.plan.shards import ShardInfo
 
 
 def plan_tensors(rank_infos, expected, aliases, dtype=None, **kwargs):

@@ -15,9 +15,9 @@ import torch
 
 from rayexport.common.dtypes import dtype_name
 from rayexport.common.errors import one_line
-from rayexport.plan.lora import ADAPTER_WEIGHTS
 from rayexport.common.memory import peak_rss_bytes, rss_bytes
 from rayexport.plan.formats import FORMATS, ON_DISK, Format
+from rayexport.plan.lora import ADAPTER_WEIGHTS
 from rayexport.verification.reload.probes import (
     build_skeleton, key_differences, model_formats_of, probe, table_shapes, untied_pairs,
 )
