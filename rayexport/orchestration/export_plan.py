@@ -13,9 +13,9 @@ from typing import Any
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import Checkpoint, SourceSettings
 from rayexport.layouts.registry import find_checkpoint
-from rayexport.orchestration.nodes import ClusterNodes, RayOnNode, ask_nodes, cluster_nodes
+from rayexport.orchestration.nodes import ClusterNodes, RayOnNode, ask_nodes, cluster_nodes, first_reader_node
 from rayexport.orchestration.options import ExportOptions
-from rayexport.orchestration.placement import reading_node, worker_capacity
+from rayexport.orchestration.placement import reading_node
 from rayexport.orchestration.report import timed_stage
 from rayexport.storage.nodes import PinnedStore, spread_store
 from rayexport.storage.settings import storage_options_from_env
@@ -79,13 +79,12 @@ def plan_export(options: ExportOptions, seconds: dict[str, float] | None = None)
 def _export_node(checkpoint: Checkpoint, cluster: ClusterNodes, options: ExportOptions) -> str:
     """The node a local destination is written on: where worker 0 reads the first of the
     checkpoint's files spread over nodes, else this one, if a worker fits on it, else the first
-    node where one does."""
-    capacity = {node: worker_capacity(resources, {"CPU": options.num_cpus_per_worker}) for node, resources in cluster.resources.items()}
+    node where one does (the GPUs are not chosen yet: by CPUs alone)."""
+    bundle = {"CPU": options.num_cpus_per_worker}
     if checkpoint.store.nowhere() is not None:  # spread over the nodes
-        first = next(iter(checkpoint.read_files()))
-        return reading_node(checkpoint.store.holders(first), capacity, checkpoint.store.display(first), cluster.labels)
+        return first_reader_node(checkpoint, cluster, bundle)
     nodes = tuple([cluster.here] + sorted((node for node in cluster.labels if node != cluster.here), key=cluster.labels.get))
-    return reading_node(nodes, capacity, checkpoint.store.uri, cluster.labels)
+    return reading_node(nodes, cluster.capacity(bundle), checkpoint.store.uri, cluster.labels)
 
 
 def _check_destination(source: Store, destination: Store) -> None:

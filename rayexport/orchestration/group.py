@@ -18,10 +18,10 @@ from rayexport.common.errors import ExportError
 from rayexport.common.levels import resolved, runs_checks
 from rayexport.layouts.base import Checkpoint, Loaded, Part
 from rayexport.orchestration import spool
-from rayexport.orchestration.nodes import ClusterNodes
+from rayexport.orchestration.nodes import ClusterNodes, first_reader_node
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.placement import (
-    Devices, NodePlacement, bundle_text, choose_devices, missing_resources, pin_writers, place_by_files, reading_node, worker_capacity,
+    Devices, NodePlacement, bundle_text, choose_devices, missing_resources, pin_writers, place_by_files,
 )
 from rayexport.orchestration.pool import IdleGroup, get_keeper, group_shape
 from rayexport.orchestration.session import ensure_ray
@@ -140,13 +140,12 @@ class WorkerGroup:
         worker 0 reading the first file); a local destination (`export_node`) gets every writer.
         Logs, per node, the files it reads and the workers reading them."""
         self.export_node = export_node
-        capacity = {node: worker_capacity(resources, self._bundle) for node, resources in cluster.resources.items()}
+        capacity = cluster.capacity(self._bundle)
         writers = self.options.writers if export_node is not None else 1
         if checkpoint.store.nowhere() is not None:  # files were looked for on every node: spread over them
             files = checkpoint.read_files()
             holders = {name: checkpoint.store.holders(name) for name in files}
-            first = next(iter(files))
-            first_node = export_node or reading_node(holders[first], capacity, checkpoint.store.display(first), cluster.labels)
+            first_node = export_node or first_reader_node(checkpoint, cluster, self._bundle)
             self.nodes = place_by_files(files, holders, first_node, self.size, capacity, cluster.labels, writers)
             for node in dict.fromkeys(self.nodes.worker_nodes):
                 workers = [index for index, at in enumerate(self.nodes.worker_nodes) if at == node]

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayexport.common.errors import ExportError
+from rayexport.layouts.base import Checkpoint
 from rayexport.orchestration.options import ExportOptions
+from rayexport.orchestration.placement import reading_node, worker_capacity
 from rayexport.orchestration.session import ensure_ray
 from rayexport.orchestration.waits import cancel_unfinished
 from rayexport.storage.nodes import NodeFiles, node_labels
@@ -31,6 +33,19 @@ class ClusterNodes:
     labels: dict[str, str]
     resources: dict[str, dict[str, float]]
     here: str
+
+    def capacity(self, bundle: dict[str, float]) -> dict[str, int]:
+        """How many workers of `bundle` each node can hold, by its total resources."""
+        return {node: worker_capacity(resources, bundle) for node, resources in self.resources.items()}
+
+
+def first_reader_node(checkpoint: Checkpoint, cluster: ClusterNodes, bundle: dict[str, float]) -> str:
+    """The node where worker 0 reads the first of the checkpoint's files (rank 0's), for a
+    checkpoint whose files are spread over the nodes: the first node holding it with room for a
+    worker of `bundle`. Both the export's node and the workers' placement follow it."""
+    first = next(iter(checkpoint.read_files()))
+    store = checkpoint.store
+    return reading_node(store.holders(first), cluster.capacity(bundle), store.display(first), cluster.labels)
 
 
 def cluster_nodes(options: ExportOptions) -> ClusterNodes | None:
