@@ -21,7 +21,8 @@ from rayexport.common.scan import CHUNK_ELEMENTS
 from rayexport.layouts.dcp import find_dcp_checkpoint, read_file_chunks, read_tensors
 from rayexport.layouts.dcp_metadata import DCP_METADATA
 from rayexport.layouts.dcp_spool import _chunk_is_finite, spool_offsets
-from rayexport.layouts.registry import detect_layout, snapshot
+from rayexport.layouts.base import SourceSettings
+from rayexport.layouts.registry import detect_layout, find_checkpoint, snapshot
 from rayexport.orchestration.job import export
 from rayexport.plan.schedule import assign_by_bytes
 from rayexport.plan.shards import ShardInfo
@@ -274,6 +275,24 @@ def test_missing_metadata_is_an_export_error(written, tmp_path):
     with pytest.raises(ExportError, match="no DCP metadata") as error:
         find_dcp_checkpoint(store)
     assert_one_line_naming(error, folder)
+
+
+def test_an_unchanged_metadata_file_is_read_once_and_a_changed_one_again(written, tmp_path, monkeypatch):
+    """What a watcher's pass asks of a DCP folder (its completion marker, twice around the settle
+    time; then the layout `auto` detects and its description) reads `.metadata` once while it
+    is unchanged; written again, it is read again."""
+    folder = copy_checkpoint(written["tied"].path, tmp_path / "ckpt")
+    reads = []
+    read_bytes = Store.read_bytes
+    monkeypatch.setattr(Store, "read_bytes", lambda store, name: reads.append(name) or read_bytes(store, name))
+    store = Store(folder)
+    assert snapshot(store) == snapshot(store) is not None
+    assert find_checkpoint(store, "auto", SourceSettings()).layout == "dcp"
+    assert reads == [DCP_METADATA]
+    path = os.path.join(folder, DCP_METADATA)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))  # rewritten, same bytes
+    find_checkpoint(store, "dcp", SourceSettings())
+    assert reads == [DCP_METADATA, DCP_METADATA]
 
 
 @pytest.mark.parametrize("keep", [0, 1000])

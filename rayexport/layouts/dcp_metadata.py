@@ -118,13 +118,38 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _RefusedGlobal(f"{module}.{name}")
 
 
+# Each `.metadata` as this process last read it, by URI, with the version it was read at
+# (`Store.version`): the layouts' detect and describe, and the watcher's passes, read a file that
+# has not changed once.
+_READ: dict[str, tuple[tuple, bytes]] = {}
+_READ_LIMIT = 4
+
+
+def _metadata_bytes(store: Store) -> bytes:
+    """The bytes of the checkpoint's `.metadata`, from this process's last read while unchanged."""
+    where = store.display(DCP_METADATA)
+    try:
+        version = store.version(DCP_METADATA)
+    except ExportError:
+        if not store.exists(DCP_METADATA):
+            raise ExportError(f"no DCP metadata file '{where}'") from None
+        raise
+    cached = _READ.get(where)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    data = store.read_bytes(DCP_METADATA)
+    _READ.pop(where, None)
+    if len(_READ) >= _READ_LIMIT:
+        _READ.pop(next(iter(_READ)))
+    _READ[where] = version, data
+    return data
+
+
 def read_metadata(store: Store, unsafe_pickle: bool = False) -> Metadata:
     """The checkpoint's `.metadata`, read through `store` (so from whichever node holds it) and
     unpickled allowing only the classes DCP metadata is made of, unless `unsafe_pickle`."""
     where = store.display(DCP_METADATA)
-    if not store.exists(DCP_METADATA):
-        raise ExportError(f"no DCP metadata file '{where}'")
-    data = store.read_bytes(DCP_METADATA)
+    data = _metadata_bytes(store)
     try:
         metadata = pickle.loads(data) if unsafe_pickle else _MetadataUnpickler(io.BytesIO(data)).load()
     except _RefusedGlobal as refused:

@@ -116,6 +116,9 @@ class SpreadStore(Store):
                 return node.files[full]
         raise ExportError(f"not found: '{self.display(name)}' ({self.asked()})")
 
+    def version(self, name: str) -> tuple:
+        return self._on_holder("version", name)
+
     def read_bytes(self, name: str) -> bytes:
         return self._on_holder("read_bytes", name)
 
@@ -165,6 +168,9 @@ class PinnedStore(Store):
 
     def size(self, name: str) -> int:
         return self._run("size", name)
+
+    def version(self, name: str) -> tuple:
+        return self._run("version", name)
 
     def read_bytes(self, name: str) -> bytes:
         return self._run("read_bytes", name)

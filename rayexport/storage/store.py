@@ -135,6 +135,12 @@ class Store:
         """The size of one object in bytes."""
         return self._call("stat", name, self.fs.size, self.path(name))
 
+    def version(self, name: str) -> tuple:
+        """What changes when the object `name` is written again: its size, and its ETag (S3) or
+        modification time (a file)."""
+        info = self._call("stat", name, self.fs.info, self.path(name))
+        return info.get("size"), str(info.get("ETag") or info.get("mtime") or info.get("LastModified"))
+
     def read_bytes(self, name: str) -> bytes:
         """The whole of one object."""
         return self._call("read", name, read_retrying, self.fs.cat_file, self.path(name))
