@@ -111,6 +111,7 @@ def test_tokenizer_that_does_not_load_fails_verification_and_commits_nothing(che
     errors = error_lines(completed)
     assert completed.returncode == 1 and len(errors) == 1
     assert errors[0].startswith("rayexport: error: reload: tokenizer_config.json") and "'BogusTokenizer'" in errors[0]
+    assert errors[0].endswith("; the export was not committed")  # the files at DST are no export
     assert not (destination / "export_manifest.json").exists()
 
 

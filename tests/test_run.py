@@ -73,9 +73,10 @@ def test_missing_local_source_is_named_before_ray_starts(tmp_path, scheme):
 
 def test_missing_rank_file(broken_copy, tmp_path):
     os.remove(broken_copy / "model_world_size_3_rank_1.pt")
-    assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
-                 "missing rank file", "model_world_size_3_rank_1.pt")
+    line = assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "out")),
+                        "missing rank file", "model_world_size_3_rank_1.pt")
     assert not (tmp_path / "out").exists()
+    assert "not committed" not in line  # nothing was written: no export to speak of
 
 
 def test_world_size_disagrees_with_files(broken_copy, tmp_path):

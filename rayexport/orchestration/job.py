@@ -11,7 +11,7 @@ import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterator
 
 from rayexport.common.dtypes import nbytes
 from rayexport.common.errors import ExportError
@@ -32,7 +32,6 @@ from rayexport.plan.schedule import ShardFile, TransferPlan, plan_shard_files, p
 from rayexport.plan.ties import check_tied_values
 from rayexport.storage.store import Store
 from rayexport.transport.manifest import MANIFEST_NAME, build_manifest, commit
-from rayexport.verification import VerificationError
 from rayexport.verification.consumers import consumer_warnings
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.outcome import verification_outcome
@@ -93,9 +92,10 @@ def run_export(
         source = _load(plan, group, model)
         with timed_stage(plan.seconds, "plan_files"):  # names, ties (compared on the workers), files, the gather
             output = _plan_output(plan, group, model, source)
-        expected, written, checks, consumers = _write_and_check(plan, group, model, source, output)
-        with timed_stage(plan.seconds, "reload"):  # what is left of it once the file checks are done
-            verification = _with_consumer_checks(checks, group, consumers, expected)
+        with _not_committed_on_failure():
+            expected, written, checks, consumers = _write_and_check(plan, group, model, source, output)
+            with timed_stage(plan.seconds, "reload"):  # what is left of it once the file checks are done
+                verification = _with_consumer_checks(checks, group, consumers, expected)
     except BaseException:
         group.shutdown(graceful=False)  # a failed export's workers are removed, never pooled
         raise
@@ -109,7 +109,7 @@ def run_export(
         source=plan.source.uri, layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size,
         options=options.recorded(), expected=expected.to_manifest(), verification=verification,
     )
-    with timed_stage(plan.seconds, "commit"):
+    with timed_stage(plan.seconds, "commit"), _not_committed_on_failure():
         commit(plan.destination, manifest)
     return _report(plan, group, output, written, verification, reload_memory, reload_process)
 
@@ -341,15 +341,19 @@ def _with_consumer_checks(
 ) -> dict[str, Any]:
     """The verification's outcome: the file checks' numbers and each consumer check's (none
     run without file checks, with `--verify none`). A file check's failure was raised first."""
-    results = {}
-    if consumers is not None:
-        try:
-            results = group.consumer_results(consumers)
-        except VerificationError as error:  # the consumer the user runs it with cannot load it
-            raise VerificationError(f"{error}; the export was not committed") from None
+    results = group.consumer_results(consumers) if consumers is not None else {}
     for warning in consumer_warnings(results):
         log.warning("verification: %s", warning)
     return verification_outcome(expected.level, checks, results)
+
+
+@contextlib.contextmanager
+def _not_committed_on_failure() -> Iterator[None]:
+    """A failure once files are at DST says so: what is there is not a committed export."""
+    try:
+        yield
+    except ExportError as error:
+        raise type(error)(f"{error}; the export was not committed") from None
 
 
 def _already_committed(plan: ExportPlan) -> ExportReport:
