@@ -8,6 +8,7 @@ FSDP2 really saves, written one way.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -167,18 +168,16 @@ def _save_model_rank(rank: int, world_size: int, config_dir: str, weights: str, 
     save_rank_state(fully_shard_model(model, mesh).state_dict(), out_dir, rank, world_size)
 
 
-def run_demo(
-    destination: str | None = None, workers: int = 2, seconds: dict[str, float] | None = None, **options
-) -> "ExportReport":  # noqa: F821
-    """Write a tiny tied-embedding FSDP2 checkpoint with 2 gloo ranks, export and verify it
-    (`seconds`: as `run_export` takes it)."""
+def run_demo(options: "ExportOptions", seconds: dict[str, float] | None = None) -> "ExportReport":  # noqa: F821
+    """Write a tiny tied-embedding FSDP2 checkpoint with 2 gloo ranks, then export and verify it
+    with `options` (its `dst`, when empty, a folder beside the checkpoint; `seconds`: as
+    `run_export` takes it)."""
     from rayexport.orchestration.job import run_export
-    from rayexport.orchestration.options import ExportOptions
 
     root = tempfile.mkdtemp(prefix="rayexport-demo-")
     source = os.path.join(root, "global_step_1", "actor")
     print(f"writing a tiny tied Qwen2-style FSDP2 checkpoint with 2 gloo ranks to {source}")
     with timed_stage(seconds if seconds is not None else {}, "demo_checkpoint"):
         write_verl_checkpoint(tiny_config("qwen2-tied"), source, world_size=2)
-    options = ExportOptions(src=source, dst=destination or os.path.join(root, "export"), workers=workers, **options)
+    options = dataclasses.replace(options, src=source, dst=options.dst or os.path.join(root, "export"))
     return run_export(options, seconds=seconds)

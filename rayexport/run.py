@@ -57,17 +57,19 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
         options["workers"] = options["workers"] or 2
     seconds: dict[str, float] = {}
     try:
+        # bad options are one line before Ray starts; the demo's source is written later
+        export_options = ExportOptions(src=source or "", dst=destination or "", **options)
         if not args.demo:
             refuse_missing_local_source(source)
         with command_line_session(options["log_level"], seconds, whole_process):
             if args.demo:
                 from rayexport.demo import run_demo
 
-                report = run_demo(destination, seconds=seconds, **options)
+                report = run_demo(export_options, seconds=seconds)
             else:
                 from rayexport.orchestration.job import run_export
 
-                report = run_export(ExportOptions(src=source, dst=destination, **options), seconds=seconds)
+                report = run_export(export_options, seconds=seconds)
     except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
         return print_error(error, args.debug)
     print(report.summary())

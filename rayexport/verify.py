@@ -18,7 +18,7 @@ from rayexport.storage.store import Store
 from rayexport.transport.manifest import MANIFEST_NAME, read_manifest
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.outcome import verify_export
-from rayexport.verification.serving import ENGINES, ServeRequest
+from rayexport.verification.serving import ENGINES, ServeRequest, serve_request
 
 # What an export with the default --bucket-size (1 GiB) allows: two buckets and 1 GiB.
 DEFAULT_MEMORY_BOUND = "3GiB"
@@ -57,10 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", metavar="PATH", help="the Python that runs the vLLM check (default: this one)")
     parser.add_argument("--json", action="store_true", help="print the checks' numbers as JSON")
     args = parser.parse_args(argv)
-    if args.vllm_python and not args.serve_check:
-        parser.error("--vllm-python names the Python of the vLLM check: add --serve-check vllm")
-    serve = ServeRequest(args.serve_check, args.vllm_python) if args.serve_check else None
     try:
+        serve = serve_request(args.serve_check, args.vllm_python)
         result = verify_uri(args.uri, args.level, args.storage_options, args.timeout, args.memory_bound, serve)
     except ExportError as error:
         return print_error(error)

@@ -98,6 +98,17 @@ def test_the_options_ask_for_the_check_and_refuse_a_python_without_it():
         ExportOptions(src="a", dst="b", serve_check="sglang")
 
 
+def test_both_commands_refuse_a_python_without_the_check_in_the_same_line_and_exit_code(capsys, tmp_path):
+    """Before anything starts (no Ray, nothing read): `rayexport.run` and `rayexport.verify`."""
+    from rayexport import run, verify
+
+    line = "rayexport: error: --vllm-python names the Python of the vLLM check: add --serve-check vllm\n"
+    assert run.main(["--src", str(tmp_path / "ckpt"), "--dst", str(tmp_path / "out"), "--vllm-python", "/v/bin/python"]) == 1
+    assert capsys.readouterr().err == line
+    assert verify.main([str(tmp_path / "out"), "--vllm-python", "/v/bin/python"]) == 1
+    assert capsys.readouterr().err == line
+
+
 def test_the_summary_says_what_the_check_compared():
     checks = {"vllm": {"version": "0.32.0", "device": "cpu", "dtype": "float32", "tokens_compared": 32, "prompts": 4,
                        "largest_logprob_difference": 3.8e-6, "load_s": 3.4, "generate_s": 3.6}}

@@ -16,7 +16,7 @@ from rayexport.common.levels import AUTO, LEVELS
 from rayexport.layouts import LAYOUT_NAMES
 from rayexport.orchestration.placement import is_whole
 from rayexport.plan.formats import FORMATS, ON_DISK
-from rayexport.verification.serving import ENGINES, ServeRequest
+from rayexport.verification.serving import ENGINES, ServeRequest, serve_request
 
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -173,8 +173,7 @@ class ExportOptions:
             raise ExportError(f"--writers must be at least 1, not {self.writers}")
         if self.bucket_size < 1:
             raise ExportError("--bucket-size must be positive")
-        if self.vllm_python and self.serve_check != "vllm":
-            raise ExportError("--vllm-python names the Python of the vLLM check: add --serve-check vllm")
+        self.serve  # refuses a serve check's Python without the check
         if self.serve_check_gpus < 0:
             raise ExportError(f"--serve-check-gpus must not be negative, not {self.serve_check_gpus:g}")
 
@@ -187,9 +186,7 @@ class ExportOptions:
     @property
     def serve(self) -> ServeRequest | None:
         """The serve check asked for, if any."""
-        if self.serve_check == "none":
-            return None
-        return ServeRequest(self.serve_check, self.vllm_python, self.serve_check_gpus)
+        return serve_request(self.serve_check, self.vllm_python, self.serve_check_gpus)
 
     def recorded(self) -> dict[str, Any]:
         """The options that decide the export's bytes, as stored in the manifest (no secrets)."""

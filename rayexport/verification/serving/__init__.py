@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rayexport.common.errors import ExportError
+
 VLLM = "vllm"
 ENGINES = (VLLM,)
 
@@ -25,3 +27,13 @@ class ServeRequest:
     engine: str = VLLM
     python: str | None = None
     gpus: float = 1.0
+
+
+def serve_request(engine: str | None, python: str | None, gpus: float = 1.0) -> ServeRequest | None:
+    """The serve check `--serve-check ENGINE` asks for (None, or "none": no check), run by
+    `--vllm-python PYTHON`; a Python named without the check is refused, as every command does."""
+    if engine in (None, "none"):
+        if python:
+            raise ExportError("--vllm-python names the Python of the vLLM check: add --serve-check vllm")
+        return None
+    return ServeRequest(engine, python, gpus)
