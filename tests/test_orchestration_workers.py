@@ -86,6 +86,7 @@ def test_a_worker_killed_mid_gather_ends_the_export_within_seconds(synthetic, tm
     thread.join(timeout=120)
 
     assert "an export worker died" in str(outcome.get("error")), outcome
+    assert f"(pid {victim.pid}) on node " in str(outcome["error"]), outcome  # which worker, and where
     assert outcome["ended"] - killed < 20, f"the driver took {outcome['ended'] - killed:.0f} s to notice"
     assert not (destination / "export_manifest.json").exists()
     remaining = time.monotonic() + 15

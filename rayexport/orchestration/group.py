@@ -18,6 +18,7 @@ from rayexport.common.errors import ExportError
 from rayexport.common.levels import resolved, runs_checks
 from rayexport.layouts.base import Checkpoint, Loaded, Part
 from rayexport.orchestration import spool
+from rayexport.orchestration.failure import lost_worker_line, remove_spool_on
 from rayexport.orchestration.nodes import ClusterNodes, first_reader_node
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.placement import (
@@ -37,8 +38,6 @@ from rayexport.verification.files import FileCheck
 
 log = logging.getLogger(__name__)
 
-# How long a failed export waits for the tasks that remove its spooled files on each node.
-SPOOL_CLEANUP_S = 30.0
 # Worker 0's thread for the consumer checks, so that they run while it checks its files.
 CHECKS_GROUP = "consumer-checks"
 # The LoRA halves the driver holds at once while the workers record merged pieces' digests.
@@ -110,6 +109,7 @@ class WorkerGroup:
         self.reused = False
         self.nodes = NodePlacement((None,) * size)
         self.export_node: str | None = None  # the node whose disk a local destination is on, where there are several
+        self.worker_node_ids: list[str | None] = []  # the Ray node each worker was placed on, once placed
         # Names this export's spool folders on every node (rayexport.orchestration.spool).
         self.export_id = spool.new_export_id(job_deadline - time.monotonic())
 
@@ -180,6 +180,7 @@ class WorkerGroup:
                         for index, actor in enumerate(self.actors)
                     ])
                     self.reused = True
+                    self.worker_node_ids = self._bundle_nodes()
                     return
                 except ExportError as error:  # a pooled worker died while idle: start afresh
                     log.warning("a pooled worker group of %s is gone (%s); starting a new one", self.options.pool, error)
@@ -190,6 +191,7 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._place()
+        self.worker_node_ids = self._bundle_nodes()
         actor_class = ray.remote(concurrency_groups={CHECKS_GROUP: 1})(ExportWorker)
         for index in range(self.size):
             self.actors.append(
@@ -362,37 +364,25 @@ class WorkerGroup:
                 remove_placement_group(self.placement_group)
             self.placement_group = None
         if nodes:
-            self._remove_spool(nodes)
+            remove_spool_on(nodes, self.export_id)
 
-    def _worker_nodes(self) -> set[str]:
-        """The Ray nodes the placement group put the workers on."""
+    def _bundle_nodes(self) -> list[str | None]:
+        """The Ray node of each worker, as the placement group placed its bundle."""
         import ray
 
         try:
-            table = ray.util.placement_group_table(self.placement_group)
-        except Exception:  # noqa: BLE001 - a group Ray no longer knows: nothing to clean
-            return set()
-        return {node for node in table.get("bundles_to_node_id", {}).values() if node}
+            placed = ray.util.placement_group_table(self.placement_group).get("bundles_to_node_id", {})
+        except Exception:  # noqa: BLE001 - a group Ray no longer knows
+            placed = {}
+        return [placed.get(index) or None for index in range(self.size)]
 
-    def _remove_spool(self, nodes: set[str]) -> None:
-        """Remove this export's spool folder on each of `nodes`, by a task pinned there."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        task = ray.remote(num_cpus=0, max_retries=0)(spool.remove_export)
-        references = [
-            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(self.export_id)
-            for node in sorted(nodes)
-        ]
-        done, pending = ray.wait(references, num_returns=len(references), timeout=SPOOL_CLEANUP_S)
-        freed = 0
-        for reference in done:
-            with contextlib.suppress(Exception):
-                freed += ray.get(reference)
-        for reference in pending:
-            with contextlib.suppress(Exception):
-                ray.cancel(reference, force=True)
-        log.info("removed %d bytes of spooled files on %d node(s); %d node(s) did not answer", freed, len(done), len(pending))
+    def _worker_nodes(self) -> set[str]:
+        """The Ray nodes the workers were placed on."""
+        return {node for node in self.worker_node_ids or self._bundle_nodes() if node}
 
     def _get(self, references: list) -> list:
-        return get_all(references, step_limit(self.options, self.job_deadline), on_failure=lambda: self.shutdown(graceful=False))
+        return get_all(
+            references, step_limit(self.options, self.job_deadline), on_failure=lambda: self.shutdown(graceful=False),
+            describe_death=lambda error: lost_worker_line(error, self.actors, self.worker_node_ids),
+        )
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,27 @@ def cluster_nodes(options: ExportOptions) -> ClusterNodes | None:
     return ClusterNodes(labels, resources, ray.get_runtime_context().get_node_id())
 
 
+def known_nodes() -> tuple[dict[str, dict], dict[str, str]]:
+    """Every node the cluster has known, alive or not, as `ray.nodes()` reports it, and how
+    messages name each (`node_labels`)."""
+    import ray
+
+    nodes = {node["NodeID"]: node for node in ray.nodes()}
+    return nodes, node_labels({node: info["NodeManagerAddress"] for node, info in nodes.items()})
+
+
+def node_is_lost(info: dict | None) -> bool:
+    """Whether the node `info` (from `known_nodes`) has left the cluster: Ray says so, or its
+    raylet accepts no connection (Ray takes some 15 s to notice a node that was killed)."""
+    if not info or not info.get("Alive"):
+        return True
+    try:
+        socket.create_connection((info["NodeManagerAddress"], info["NodeManagerPort"]), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
 def files_below(path: str) -> dict[str, int]:
     """Every file under the local folder `path` (relative path -> size); empty when there is none."""
     found = {}
@@ -93,7 +115,12 @@ def ask_nodes(path: str, nodes: ClusterNodes) -> list[NodeFiles]:
         raise ExportError(
             f"node(s) {', '.join(nodes.labels[node] for node in silent)} did not list '{path}' within {NODE_CALL_S:.0f} s"
         )
-    answers = [NodeFiles(node, nodes.labels[node], files) for node, files in zip(ids, ray.get(references))]
+    answers = []
+    for node, reference in zip(ids, references):
+        try:
+            answers.append(NodeFiles(node, nodes.labels[node], ray.get(reference)))
+        except ray.exceptions.RayError as error:  # the node left the cluster since it was counted
+            raise ExportError(f"node {nodes.labels[node]} could not list '{path}': {type(error).__name__}") from None
     for answer in answers:
         log.info("node %s holds %d file(s) under %s", answer.label, len(answer.files), path)
     return answers

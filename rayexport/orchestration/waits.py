@@ -60,13 +60,15 @@ def cancel_unfinished(references: list) -> None:
         ray.cancel(reference, force=True)
 
 
-def get_all(references: list, limit: tuple[float, str], on_failure) -> list:
+def get_all(references: list, limit: tuple[float, str], on_failure, describe_death=None) -> list:
     """Wait for every reference; on the first error or when the step's time `limit` (seconds,
     and the option that set it) runs out, call `on_failure` and raise, so one dead worker ends
-    the export at once instead of leaving others blocked."""
+    the export at once instead of leaving others blocked. `describe_death` gives the line for a
+    dead or unreachable worker's RayActorError (default: the first line of Ray's own text)."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+    describe = describe_death or (lambda error: str(error).splitlines()[0])
     timeout_s, source = limit
     deadline = time.monotonic() + timeout_s
     pending = list(references)
@@ -85,13 +87,15 @@ def get_all(references: list, limit: tuple[float, str], on_failure) -> list:
         # A worker whose peer died fails its collective ("connection closed by peer") and may
         # answer before the dead worker's own error does: name the death when it follows.
         died = actor_death(references, wait_s=5)
+        message = f"an export worker died: {describe(died)}" if died is not None else (
+            f"an export worker failed: {type(cause).__name__}: {one_line(cause)}"
+        )
         on_failure()
-        if died is not None:
-            raise ExportError(f"an export worker died: {died}".splitlines()[0]) from None
-        raise ExportError(f"an export worker failed: {type(cause).__name__}: {one_line(cause)}") from None
+        raise ExportError(message) from None
     except RayActorError as error:
+        message = f"an export worker died: {describe(error)}"
         on_failure()
-        raise ExportError(f"an export worker died: {error}".splitlines()[0]) from None
+        raise ExportError(message) from None
     except GetTimeoutError as error:
         on_failure()
         raise ExportError(f"export timed out: {error}") from None
