@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,23 +72,29 @@ def measure(command: list[str], env: dict[str, str] | None = None) -> tuple[floa
     return seconds, usage.ru_maxrss * 1024
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# moto's S3 server in a process of its own, on a port the OS picks as the server binds it (a port
+# picked first and released could be taken by another process before the server binds it); it
+# prints the port, then serves until it is ended.
+MOTO_SERVER = (
+    "import threading; from moto.server import ThreadedMotoServer; "
+    "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False); server.start(); "
+    "print(server.get_host_and_port()[1], flush=True); threading.Event().wait()"
+)
+
+
+def start_moto_server() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server (ended by the caller, by its pid) and its endpoint, once it listens."""
+    server = subprocess.Popen([sys.executable, "-c", MOTO_SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    port = server.stdout.readline().strip()
+    if not port.isdigit():
+        server.kill()
+        raise RuntimeError(f"moto's S3 server did not start (exit status {server.wait()})")
+    return server, f"http://127.0.0.1:{port}"
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
+    """`start_moto_server`, with the benchmarks' bucket created."""
+    server, endpoint = start_moto_server()
     import boto3
 
     boto3.client("s3", endpoint_url=endpoint, **_boto_credentials()).create_bucket(Bucket=BUCKET)

@@ -4,7 +4,7 @@ streaming writer and its download, old (one part or range at a time) and new (a 
     python benchmarks/s3_throughput.py                 # a 1 GiB object, each case twice
     python benchmarks/s3_throughput.py --size-mb 256 --repeats 1
 
-It starts its own moto S3 server (a subprocess on a free port, ended by its pid) and times, on
+It starts its own moto S3 server (a subprocess on a port the OS picks, ended by its pid) and times, on
 the same bytes from one local file:
   upload:   s3fs `put_file` (10 parts in flight, its default; and 4), the old writer (an s3fs
             file opened "wb" with autocommit=False: one part at a time), `Store.writer`;
@@ -31,22 +31,17 @@ import hashlib
 import multiprocessing
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import psutil
-from export_bench import free_port
-
-from rayexport.storage.store import Store
-
-from rayexport.storage.settings import storage_options_from_env
+from export_bench import start_moto_server
 
 from rayexport.storage.reads import DOWNLOAD_BLOCK
+from rayexport.storage.settings import storage_options_from_env
+from rayexport.storage.store import Store
 
 BUCKET = "throughput"
 MiB = 2**20
@@ -62,18 +57,10 @@ class Timing:
     server_cpu_s: float
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """moto's S3 server in its own process (so that it does not share this one's GIL)."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(port, lambda: server.poll() is None)
-    return server, f"http://127.0.0.1:{port}"
-
-
-def relay(listen_port: int, upstream_port: int, rate: float) -> None:
-    """Forward 127.0.0.1:listen_port to upstream_port, each connection at most `rate` bytes/s
-    each way (run in a process of its own)."""
+def relay(upstream_port: int, rate: float, listening) -> None:
+    """Forward a port of 127.0.0.1 that the OS picks, sent once bound through the pipe end
+    `listening`, to upstream_port, each connection at most `rate` bytes/s each way (run in a
+    process of its own)."""
 
     async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         free_at = time.monotonic()  # when this direction may send again; idle time earns no credit
@@ -93,30 +80,21 @@ def relay(listen_port: int, upstream_port: int, rate: float) -> None:
         await asyncio.gather(pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer))
 
     async def serve() -> None:
-        server = await asyncio.start_server(connect, "127.0.0.1", listen_port)
+        server = await asyncio.start_server(connect, "127.0.0.1", 0)
+        listening.send(server.sockets[0].getsockname()[1])
         await server.serve_forever()
 
     asyncio.run(serve())
 
 
 def start_relay(upstream: str, mb_s: float) -> tuple[multiprocessing.Process, str]:
-    port = free_port()
-    process = multiprocessing.Process(target=relay, args=(port, int(upstream.rsplit(":", 1)[1]), mb_s * 1e6), daemon=True)
+    ours, theirs = multiprocessing.Pipe()
+    process = multiprocessing.Process(target=relay, args=(int(upstream.rsplit(":", 1)[1]), mb_s * 1e6, theirs), daemon=True)
     process.start()
-    wait_for_port(port, process.is_alive)
-    return process, f"http://127.0.0.1:{port}"
-
-
-def wait_for_port(port: int, alive: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline or not alive():
-                raise RuntimeError(f"nothing listens on port {port}") from None
-            time.sleep(0.1)
+    if not ours.poll(30):
+        process.terminate()
+        raise RuntimeError("the relay did not start listening")
+    return process, f"http://127.0.0.1:{ours.recv()}"
 
 
 def pieces(path: str, size: int = WRITE_PIECE):
@@ -239,7 +217,7 @@ def main() -> None:
                         help="relay every connection at most this fast each way (default: straight to moto)")
     args = parser.parse_args()
     size = args.size_mb * MiB
-    server, endpoint = start_moto()
+    server, endpoint = start_moto_server()
     relayed = None
     try:
         if args.per_connection_mb_s:

@@ -91,8 +91,7 @@ if [ -n "$left" ]; then
     wait_gone 5 marked >/dev/null
 fi
 
-S3_PORT="$(cat "$STATE_DIR/moto.port" 2>/dev/null || true)"
-stop_session moto "moto_server -H 127.0.0.1 -p ${S3_PORT:-?}" 10
+stop_session moto "$STATE_DIR/moto.port" 10  # moto's server, told on its command line where to write its port
 
 # Anything still alive is reported, and the state folder is kept for its logs.
 still=""

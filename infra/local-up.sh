@@ -6,7 +6,7 @@
 # then print the variables to export so that `ray job submit` and s3:// URIs reach them.
 # Stop both with infra/local-down.sh (same RAYEXPORT_LOCAL_DIR).
 #
-# Needs `ray` and `moto_server` on PATH and boto3 importable by python3: activate the project's
+# Needs `ray` on PATH and moto[server] (with boto3) importable by python3: activate the project's
 # virtualenv after `pip install -e '.[test]'`.
 #
 # Settings (environment, all optional):
@@ -17,7 +17,8 @@
 #   RAYEXPORT_LOCAL_CPUS    CPUs the Ray head offers (default 4)
 #   RAYEXPORT_LOCAL_AUTH    token (default) or disabled
 #   RAYEXPORT_LOCAL_DASHBOARD_PORT, RAYEXPORT_LOCAL_GCS_PORT, RAYEXPORT_LOCAL_S3_PORT
-#                           fixed ports instead of free ones picked at start
+#                           fixed ports instead of ones picked at start (moto's by the OS as it
+#                           binds; Ray's picked free, and picked again if one was taken meanwhile)
 set -Eeuo pipefail
 
 STATE_DIR="${RAYEXPORT_LOCAL_DIR:-${TMPDIR:-/tmp}/rayexport-local}"
@@ -32,10 +33,10 @@ DUMMY_KEY=moto-local-dummy
 
 die() { echo "local-up: $*" >&2; exit 1; }
 
-for tool in ray moto_server "$PYTHON" setsid; do
+for tool in ray "$PYTHON" setsid; do
     command -v "$tool" >/dev/null 2>&1 || die "'$tool' not found on PATH (activate the virtualenv with moto[server] and ray)"
 done
-"$PYTHON" -c 'import boto3' 2>/dev/null || die "$PYTHON cannot import boto3 (pip install -e '.[test]')"
+"$PYTHON" -c 'import boto3, moto.server' 2>/dev/null || die "$PYTHON cannot import boto3 and moto.server (pip install -e '.[test]')"
 case "$AUTH" in token|disabled) ;; *) die "RAYEXPORT_LOCAL_AUTH must be 'token' or 'disabled', not '$AUTH'" ;; esac
 
 mkdir -p "$STATE_DIR"
@@ -57,12 +58,16 @@ PROXY_SET="${http_proxy:-}${HTTP_PROXY:-}${https_proxy:-}${HTTPS_PROXY:-}"
 NO_PROXY_LIST="$LOOPBACK,localhost${NO_PROXY:+,$NO_PROXY}"
 export NO_PROXY="$NO_PROXY_LIST" no_proxy="$NO_PROXY_LIST"
 
-# Free loopback ports: GCS, dashboard, S3, and the Ray ports with fixed defaults (client server
-# 10001, dashboard agent 52365, ...), so that another Ray on this machine does not collide.
-read -r -a PORTS <<<"$("$PYTHON" - <<'EOF'
+# Ray's ports: GCS, dashboard, and the ones with fixed defaults (client server 10001, dashboard
+# agent 52365, ...), so that another Ray on this machine does not collide. Ray binds the ports it
+# is given (its client server and dashboard take no port 0), so they are picked free, all held at
+# once so that they differ, and released for Ray to bind; should another process take one in
+# between, `ray start` fails and is tried again with new ones (step 4).
+pick_ray_ports() {
+    read -r -a PORTS <<<"$("$PYTHON" - <<'EOF'
 import socket
 held = []
-for _ in range(8):
+for _ in range(7):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     held.append(s)
@@ -71,11 +76,11 @@ for s in held:
     s.close()
 EOF
 )"
-GCS_PORT="${RAYEXPORT_LOCAL_GCS_PORT:-${PORTS[0]}}"
-DASHBOARD_PORT="${RAYEXPORT_LOCAL_DASHBOARD_PORT:-${PORTS[1]}}"
-S3_PORT="${RAYEXPORT_LOCAL_S3_PORT:-${PORTS[2]}}"
-S3_ENDPOINT="http://$LOOPBACK:$S3_PORT"
-DASHBOARD_URL="http://$LOOPBACK:$DASHBOARD_PORT"
+    GCS_PORT="${RAYEXPORT_LOCAL_GCS_PORT:-${PORTS[0]}}"
+    DASHBOARD_PORT="${RAYEXPORT_LOCAL_DASHBOARD_PORT:-${PORTS[1]}}"
+    DASHBOARD_URL="http://$LOOPBACK:$DASHBOARD_PORT"
+}
+RAY_START_ATTEMPTS=3
 
 # Start "$@" detached in a new session whose id is its pid (so local-down.sh can end exactly the
 # processes it started) and write that pid to $STATE_DIR/<name>.pid.
@@ -99,28 +104,39 @@ cleanup_on_error() {
 }
 trap cleanup_on_error ERR
 
-# 1. moto's S3 server, loopback only.
-start_detached moto moto_server -H "$LOOPBACK" -p "$S3_PORT"
-echo "$S3_PORT" >"$STATE_DIR/moto.port"
+# 1. moto's S3 server, loopback only, on the port the OS gives it as it binds (or the fixed one),
+#    which it writes to moto.port once it listens.
+rm -f "$STATE_DIR/moto.port"
+start_detached moto "$PYTHON" -c '
+import os, sys, threading
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address=sys.argv[1], port=int(sys.argv[2]), verbose=False)
+server.start()
+with open(sys.argv[3] + ".new", "w") as handle:
+    handle.write(str(server.get_host_and_port()[1]))
+os.replace(sys.argv[3] + ".new", sys.argv[3])
+threading.Event().wait()
+' "$LOOPBACK" "${RAYEXPORT_LOCAL_S3_PORT:-0}" "$STATE_DIR/moto.port"
 
 # 2. Wait for it and create the bucket (boto3, which moto[server] depends on; no AWS CLI).
-S3_ENDPOINT="$S3_ENDPOINT" BUCKET="$BUCKET" DUMMY_KEY="$DUMMY_KEY" MOTO_PID="$(cat "$STATE_DIR/moto.pid")" \
-"$PYTHON" - <<'EOF'
-import os, sys, time, urllib.request
-endpoint, bucket = os.environ["S3_ENDPOINT"], os.environ["BUCKET"]
-deadline = time.monotonic() + 30
-while True:
+S3_PORT="$(STATE_DIR="$STATE_DIR" MOTO_PID="$(cat "$STATE_DIR/moto.pid")" "$PYTHON" - <<'EOF'
+import os, sys, time
+port_file, deadline = os.path.join(os.environ["STATE_DIR"], "moto.port"), time.monotonic() + 30
+while not os.path.exists(port_file):
     try:
-        urllib.request.urlopen(endpoint + "/", timeout=2).read()
-        break
-    except Exception as error:
-        try:
-            os.kill(int(os.environ["MOTO_PID"]), 0)
-        except OSError:
-            sys.exit("local-up: moto_server exited; see moto.log")
-        if time.monotonic() > deadline:
-            sys.exit(f"local-up: moto_server did not answer at {endpoint}: {error}")
-        time.sleep(0.2)
+        os.kill(int(os.environ["MOTO_PID"]), 0)
+    except OSError:
+        sys.exit("local-up: moto's server exited; see moto.log")
+    if time.monotonic() > deadline:
+        sys.exit("local-up: moto's server did not start listening; see moto.log")
+    time.sleep(0.1)
+print(open(port_file).read())
+EOF
+)"
+S3_ENDPOINT="http://$LOOPBACK:$S3_PORT"
+S3_ENDPOINT="$S3_ENDPOINT" BUCKET="$BUCKET" DUMMY_KEY="$DUMMY_KEY" "$PYTHON" - <<'EOF'
+import os
+endpoint, bucket = os.environ["S3_ENDPOINT"], os.environ["BUCKET"]
 import boto3
 s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                   aws_access_key_id=os.environ["DUMMY_KEY"], aws_secret_access_key=os.environ["DUMMY_KEY"])
@@ -148,15 +164,11 @@ fi
 export AWS_ENDPOINT_URL="$S3_ENDPOINT" AWS_ACCESS_KEY_ID="$DUMMY_KEY" AWS_SECRET_ACCESS_KEY="$DUMMY_KEY" \
     AWS_DEFAULT_REGION=us-east-1
 unset AWS_ENDPOINT_URL_S3 AWS_SESSION_TOKEN AWS_PROFILE
-start_detached ray env RAYEXPORT_LOCAL_STACK="$STATE_DIR" RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 ray start --head --block --disable-usage-stats \
-    --temp-dir="$RAY_TEMP_DIR" --num-cpus="$NUM_CPUS" \
-    --port="$GCS_PORT" --dashboard-host="$LOOPBACK" --dashboard-port="$DASHBOARD_PORT" \
-    --ray-client-server-port="${PORTS[3]}" --dashboard-agent-listen-port="${PORTS[4]}" \
-    --dashboard-agent-grpc-port="${PORTS[5]}" --metrics-export-port="${PORTS[6]}" \
-    --runtime-env-agent-port="${PORTS[7]}"
 
-# 5. Wait until the job server answers an authenticated request.
-DASHBOARD_URL="$DASHBOARD_URL" RAY_PID="$(cat "$STATE_DIR/ray.pid")" "$PYTHON" - <<'EOF'
+# 5. Wait until the job server answers an authenticated request: exit status 0, 3 when `ray start`
+#    exited (a port taken meanwhile, say: tried again), 1 for anything else.
+wait_for_ray() {
+    DASHBOARD_URL="$DASHBOARD_URL" RAY_PID="$(cat "$STATE_DIR/ray.pid")" "$PYTHON" - <<'EOF'
 import os, sys, time, urllib.error, urllib.request
 url = os.environ["DASHBOARD_URL"] + "/api/version"
 headers = {}
@@ -172,11 +184,35 @@ while True:
         try:
             os.kill(int(os.environ["RAY_PID"]), 0)
         except OSError:
-            sys.exit("local-up: `ray start` exited: see ray.log")
+            print("local-up: `ray start` exited: see ray.log", file=sys.stderr)
+            sys.exit(3)
         if time.monotonic() > deadline:
             sys.exit(f"local-up: the Ray job server did not answer at {url}: {error}")
         time.sleep(0.5)
 EOF
+}
+
+# 4 and 5, with new ports while `ray start` fails (RAY_START_ATTEMPTS in all).
+for attempt in $(seq "$RAY_START_ATTEMPTS"); do
+    pick_ray_ports
+    status=0
+    start_detached ray env RAYEXPORT_LOCAL_STACK="$STATE_DIR" RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 ray start --head --block --disable-usage-stats \
+        --temp-dir="$RAY_TEMP_DIR" --num-cpus="$NUM_CPUS" \
+        --port="$GCS_PORT" --dashboard-host="$LOOPBACK" --dashboard-port="$DASHBOARD_PORT" \
+        --ray-client-server-port="${PORTS[2]}" --dashboard-agent-listen-port="${PORTS[3]}" \
+        --dashboard-agent-grpc-port="${PORTS[4]}" --metrics-export-port="${PORTS[5]}" \
+        --runtime-env-agent-port="${PORTS[6]}" || status=3
+    if [ "$status" -eq 0 ]; then
+        wait_for_ray || status=$?
+    fi
+    [ "$status" -eq 0 ] && break
+    if [ "$status" -ne 3 ] || [ "$attempt" -eq "$RAY_START_ATTEMPTS" ]; then
+        false  # the ERR trap stops what was started
+    fi
+    kill -KILL -- "-$(cat "$STATE_DIR/ray.pid")" 2>/dev/null || true  # what the failed start left in its session
+    mv "$STATE_DIR/ray.log" "$STATE_DIR/ray.attempt$attempt.log"
+    echo "local-up: \`ray start\` failed (attempt $attempt of $RAY_START_ATTEMPTS; see ray.attempt$attempt.log); trying new ports" >&2
+done
 trap - ERR
 
 {

@@ -34,7 +34,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -386,11 +386,11 @@ def materialize(model: torch.nn.Module) -> None:
         model.init_weights(buffer_device=None)
 
 
-def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
-    """One gloo rank: build, shard, train `--steps` steps and save as torchtitan's Trainer does."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+def run_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
+    """One gloo rank: build, shard, train `--steps` steps and save as torchtitan's Trainer does.
+    The ranks meet through the file `rendezvous` (no port is picked in advance)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD_SIZE)
     # DTensor's RNG is CUDA-only: on CPU each rank draws its own shards, so seed the ranks apart.
     torch.manual_seed(SEED + rank)
     import torchtitan.distributed.parallel_dims as parallel_dims_module
@@ -473,13 +473,6 @@ def write_hf_config(args: argparse.Namespace, shape: Shape) -> None:
         json.dump(hf_config(args.model, shape, args.tied), f, indent=2)
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now, for the ranks' rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -500,7 +493,8 @@ def main() -> None:
         parser.error("one of --tied, --untied is required")
     if installed_torchtitan() is Titan02 and (args.tied or args.model == "qwen3_moe"):
         parser.error(Titan02.UNSUPPORTED)
-    mp.spawn(run_rank, args=(args, free_port()), nprocs=WORLD_SIZE)
+    with tempfile.TemporaryDirectory(prefix="torchtitan-ranks-") as scratch:
+        mp.spawn(run_rank, args=(args, os.path.join(scratch, "rendezvous")), nprocs=WORLD_SIZE)
 
 
 if __name__ == "__main__":
