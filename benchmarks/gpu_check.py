@@ -144,6 +144,9 @@ class ProcessWorkerGroup(WorkerGroup):
             self.shutdown(graceful=False)
             raise
 
+    def progress_counts(self) -> None:
+        return None  # no bar: these workers answer one call at a time
+
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.actors:
             for future in [actor.close.remote() for actor in self.actors]:

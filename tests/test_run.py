@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -259,3 +260,39 @@ def test_verify_prints_a_multi_line_message_on_one_line(tmp_path):
                                capture_output=True, text=True, timeout=300)
     assert completed.returncode == 1
     assert completed.stderr.splitlines() == [assert_fails(completed, "exports step7' is not a committed export")]
+
+
+def _in_a_terminal(command: list[str], timeout: float = 300) -> tuple[int, str]:
+    """Run `command` with a 120-column terminal as its stdout and stderr, as a user's shell
+    gives it; its exit status and everything it wrote."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    main_end, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal, env=dict(os.environ))
+    os.close(terminal)
+    output = bytearray()
+    while True:
+        try:
+            chunk = os.read(main_end, 65536)
+        except OSError:  # the terminal closed: every process writing to it has ended
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(main_end)
+    return process.wait(timeout=timeout), output.decode(errors="replace")
+
+
+def test_the_demo_shows_one_progress_bar_and_no_worker_bars(tmp_path):
+    """The README's first command in a terminal: the driver's bar, with every worker's counters,
+    and none of the workers' own bars (`load0:`, `write1:`, ...) that Ray would forward."""
+    code, output = _in_a_terminal([sys.executable, "-m", "rayexport.run", "--demo", "--dst", str(tmp_path / "out")])
+    assert code == 0, output[-3000:]
+    assert (tmp_path / "out" / "export_manifest.json").exists()
+    drawn = [line for line in output.replace("\r", "\n").splitlines() if line.startswith("reload: ")]
+    assert drawn and re.search(r"loaded \d+ kB/\d+ kB, sent .*, written .*, verified \d+ kB/\d+ kB", drawn[-1]), drawn
+    assert not re.search(r"\b(spool|load|write|verify)\d+:", output), output[-3000:]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ContextManager
 
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import Checkpoint, SourceSettings
@@ -16,6 +16,7 @@ from rayexport.layouts.registry import find_checkpoint
 from rayexport.orchestration.nodes import ClusterNodes, RayOnNode, ask_nodes, cluster_nodes, first_reader_node
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.placement import reading_node
+from rayexport.orchestration.progress import ExportProgress
 from rayexport.orchestration.report import timed_stage
 from rayexport.storage.nodes import PinnedStore, spread_store
 from rayexport.storage.settings import storage_options_from_env
@@ -39,10 +40,18 @@ class ExportPlan:
     seconds: dict[str, float] = field(default_factory=dict)
     cluster: ClusterNodes | None = None  # the nodes, where local paths differ between them
     export_node: str | None = None  # the node a local destination is written on, of several
+    progress: ExportProgress | None = None  # the driver's bar, while the workers run the export
 
     @property
     def source(self) -> Store:
         return self.checkpoint.store
+
+    def stage(self, name: str) -> ContextManager[dict[str, int]]:
+        """Time the stage `name` into `seconds` (`timed_stage`), shown as the progress bar's
+        phase while the export has one up (`progress`)."""
+        if self.progress is not None:
+            self.progress.phase(name)
+        return timed_stage(self.seconds, name)
 
 
 def plan_export(options: ExportOptions, seconds: dict[str, float] | None = None) -> ExportPlan:

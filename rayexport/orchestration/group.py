@@ -25,6 +25,7 @@ from rayexport.orchestration.placement import (
     Devices, NodePlacement, bundle_text, choose_devices, missing_resources, pin_writers, place_by_files,
 )
 from rayexport.orchestration.pool import IdleGroup, get_keeper, group_shape
+from rayexport.orchestration.progress import WorkerProgress
 from rayexport.orchestration.session import ensure_ray
 from rayexport.orchestration.waits import all_succeed, get_all, step_limit
 from rayexport.orchestration.workers import ExportWorker, WorkerStats
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 
 # Worker 0's thread for the consumer checks, so that they run while it checks its files.
 CHECKS_GROUP = "consumer-checks"
+# Each worker's thread that answers the driver's progress bar while its other methods run.
+PROGRESS_GROUP = "progress"
+# How long the bar waits for the workers' counters before it skips one refresh.
+PROGRESS_ASK_S = 2.0
 # The LoRA halves the driver holds at once while the workers record merged pieces' digests.
 LORA_REFERENCE_BYTES = 64 << 20
 
@@ -192,7 +197,7 @@ class WorkerGroup:
 
         self._place()
         self.worker_node_ids = self._bundle_nodes()
-        actor_class = ray.remote(concurrency_groups={CHECKS_GROUP: 1})(ExportWorker)
+        actor_class = ray.remote(concurrency_groups={CHECKS_GROUP: 1, PROGRESS_GROUP: 1})(ExportWorker)
         for index in range(self.size):
             self.actors.append(
                 actor_class.options(
@@ -331,6 +336,17 @@ class WorkerGroup:
             self.actors[worker].check_files.remote(destination, names, expected) for worker, names in sorted(files_by_worker.items()) if names
         ])
         return [check for checks in answers for check in checks]
+
+    def progress_counts(self) -> list[WorkerProgress] | None:
+        """Every worker's bytes done and expected now, for the driver's bar; None when a worker
+        does not answer at once (the export's own steps notice a dead one)."""
+        import ray
+
+        try:
+            calls = [actor.progress.options(concurrency_group=PROGRESS_GROUP).remote() for actor in self.actors]
+            return ray.get(calls, timeout=PROGRESS_ASK_S)
+        except Exception:  # noqa: BLE001 - a worker gone, busy or not yet started: no refresh this time
+            return None
 
     def update_memory(self, worker_stats: list[WorkerStats]) -> None:
         """Bring each worker's peak and working memory up to now (after the verification too)."""

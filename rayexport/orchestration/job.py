@@ -23,7 +23,8 @@ from rayexport.model.description import ModelDescription, describe_model, genera
 from rayexport.orchestration.export_plan import ExportPlan, plan_export
 from rayexport.orchestration.group import Transferred, WorkerGroup
 from rayexport.orchestration.options import ExportOptions
-from rayexport.orchestration.report import ExportReport, timed_stage
+from rayexport.orchestration.progress import shown_progress
+from rayexport.orchestration.report import ExportReport
 from rayexport.orchestration.workers import WorkerStats
 from rayexport.plan.formats import ModelFormats
 from rayexport.plan.lora import ADAPTER_WEIGHTS
@@ -84,22 +85,25 @@ def run_export(
     # The rest of planning runs in a thread while Ray, the actors and their process group
     # start here (Ray's signal handlers need the main thread).
     describing = _in_background(_prepare, plan)
-    with timed_stage(plan.seconds, "start_workers"):
+    with plan.stage("start_workers"):
         group = _start_group(group_type, plan, describing)
     try:
-        with timed_stage(plan.seconds, "describe_model"):  # what is left of it once the workers are up
-            model = describing.result()
-        source = _load(plan, group, model)
-        with timed_stage(plan.seconds, "plan_files"):  # names, ties (compared on the workers), files, the gather
-            output = _plan_output(plan, group, model, source)
-        with _not_committed_on_failure():
-            expected, written, checks, consumers = _write_and_check(plan, group, model, source, output)
-            with timed_stage(plan.seconds, "reload"):  # what is left of it once the file checks are done
-                verification = _with_consumer_checks(checks, group, consumers, expected)
+        with shown_progress(group.progress_counts) as plan.progress:
+            with plan.stage("describe_model"):  # what is left of it once the workers are up
+                model = describing.result()
+            source = _load(plan, group, model)
+            with plan.stage("plan_files"):  # names, ties (compared on the workers), files, the gather
+                output = _plan_output(plan, group, model, source)
+            with _not_committed_on_failure():
+                expected, written, checks, consumers = _write_and_check(plan, group, model, source, output)
+                with plan.stage("reload"):  # what is left of it once the file checks are done
+                    verification = _with_consumer_checks(checks, group, consumers, expected)
     except BaseException:
         group.shutdown(graceful=False)  # a failed export's workers are removed, never pooled
         raise
-    with timed_stage(plan.seconds, "shutdown"):
+    finally:
+        plan.progress = None
+    with plan.stage("shutdown"):
         group.shutdown()
     # measurements, not properties of the export: the report has them, the manifest does not
     reload = verification.get("checks", {}).get("reload", {})
@@ -109,7 +113,7 @@ def run_export(
         source=plan.source.uri, layout=plan.checkpoint.layout, world_size=plan.checkpoint.world_size,
         options=options.recorded(), expected=expected.to_manifest(), verification=verification,
     )
-    with timed_stage(plan.seconds, "commit"), _not_committed_on_failure():
+    with plan.stage("commit"), _not_committed_on_failure():
         commit(plan.destination, manifest)
     return _report(plan, group, output, written, verification, reload_memory, reload_process)
 
@@ -117,7 +121,7 @@ def run_export(
 def _load(plan: ExportPlan, group: WorkerGroup, model: ModelDescription) -> Source:
     """The workers read their share of the checkpoint (tied copies together) and, for a
     LoRA-only checkpoint, the exporter the base model's weights."""
-    with timed_stage(plan.seconds, "load") as moved:
+    with plan.stage("load") as moved:
         loaded = group.load(plan.checkpoint, model.formats.tie_aliases())
         moved["bytes"] = sum(
             nbytes(info.local_shape, info.dtype) for infos in loaded.rank_infos.values() for info in infos.values()
@@ -173,10 +177,10 @@ def _write_and_check(
     (both None with --verify none)."""
     options, planning = plan.options, output.planning
     level = resolved(options.verify)
-    with timed_stage(plan.seconds, "source_digests"):
+    with plan.stage("source_digests"):
         source_pieces = group.source_pieces(planning, source.loaded.worker_of_rank) if runs_checks(level) else {}
     carried = {**model.carried, **generated_files(model.config, planning, bool(output.untied), options.base_model)}
-    with timed_stage(plan.seconds, "transfer") as moved:
+    with plan.stage("transfer") as moved:
         written = group.transfer(output.transfer, output.by_name, output.split, plan.destination, carried)
         moved["bytes"] = written.bytes_written
     tensors = {
@@ -189,7 +193,7 @@ def _write_and_check(
         format=planning.format, source_finite=source.finite, written_together=True, serve=options.serve,
     )
     consumers = group.start_consumer_checks(plan.destination, expected) if runs_checks(level) else None
-    with timed_stage(plan.seconds, "verify_files") as moved:
+    with plan.stage("verify_files") as moved:
         checks = verify_files(group, plan.destination, expected, written.worker_stats)
         moved["bytes"] = checks["files"]["bytes_read"] if checks else 0
     group.update_memory(written.worker_stats)  # the peaks, verification included
@@ -271,7 +275,7 @@ def _start_group(group_type: type[WorkerGroup], plan: ExportPlan, describing: Fu
         if "ray_start" in plan.seconds:  # the command line started it, or joined, already
             group_type.connect(plan.options)
         else:
-            with timed_stage(plan.seconds, "ray_start"):
+            with plan.stage("ray_start"):
                 group_type.connect(plan.options)
         group = group_type.for_export(plan.options, plan.checkpoint.world_size, plan.job_deadline)
         if plan.cluster is not None:

@@ -9,18 +9,16 @@ stays at the transfer window whatever the size of its files.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from huggingface_hub import StateDictSplit
-from tqdm import tqdm
 
 from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
@@ -31,6 +29,7 @@ from rayexport.layouts import registry  # noqa: F401 - each layout's Checkpoint 
 from rayexport.layouts.base import Checkpoint, Part
 from rayexport.layouts.mapped import release_pages
 from rayexport.orchestration import spool
+from rayexport.orchestration.progress import WorkerProgress
 from rayexport.plan.lora import merge_lora
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
@@ -94,15 +93,6 @@ def _run_check(check: Any, *arguments: Any) -> dict[str, Any]:
     return {**check.run(*arguments), "ray_gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()]}
 
 
-@contextlib.contextmanager
-def progress_bar(total: int | None, description: str) -> Iterator[Callable[[int], Any]]:
-    """A bar of bytes done, with rate and ETA; yields its update function. Inside Ray, the
-    driver prints a worker's bar as lines of that worker's output (Ray's tqdm support redraws
-    bars in place, which runs them into the driver's own one-line error messages)."""
-    with tqdm(total=total, unit="B", unit_scale=True, desc=description, mininterval=1.0) as bar:
-        yield bar.update
-
-
 @dataclass
 class WorkerStats:
     """One worker's measurements: where it ran, the bytes it read and received, its whole-life
@@ -150,6 +140,7 @@ class ExportWorker:
         self.earlier_peak_rss = 0
         self.resident_before_load: int | None = None
         self.prepared_checks: dict[str, Any] = {}
+        self.progress_counts = WorkerProgress()
 
     def prepare_checks(self) -> None:
         """Worker 0: start what the consumer checks start ahead (the reload's process), so that
@@ -200,16 +191,14 @@ class ExportWorker:
         self._start_measuring()
         total = checkpoint.part_bytes(part)
         infos = {}
-        with contextlib.ExitStack() as bars:
-            spooling = checkpoint.spools_remote_files and not checkpoint.store.is_local
-            spooled = (lambda count: None) if not spooling else bars.enter_context(
-                progress_bar(total, f"spool{self.index}")
-            )
-            advance = bars.enter_context(progress_bar(total, f"load{self.index}"))
-            for rank, tensors in checkpoint.read(part, self.spool_dir, spooled).items():
-                self.states[rank] = tensors
-                self.mapped += tensors.mapped_ranges()
-                infos[rank] = tensors.describe(lambda count: (advance(count), self.release_pages()))
+        if checkpoint.spools_remote_files and not checkpoint.store.is_local:
+            self.progress_counts.expect("spooled", total)
+        self.progress_counts.expect("loaded", total)
+        loaded = self.progress_counts.counter("loaded")
+        for rank, tensors in checkpoint.read(part, self.spool_dir, self.progress_counts.counter("spooled")).items():
+            self.states[rank] = tensors
+            self.mapped += tensors.mapped_ranges()
+            infos[rank] = tensors.describe(lambda count: (loaded(count), self.release_pages()))
         self.bytes_read += total
         return infos
 
@@ -263,14 +252,15 @@ class ExportWorker:
             torch.cuda.reset_peak_memory_stats(self.device)
         my_files = transfer.files[self.index]
         total = sum(plans[name].nbytes for shard in my_files for name in shard.tensors)
+        self.progress_counts.expect("written", total)
+        self.progress_counts.expect("sent", gather.sent_bytes(transfer.buckets, self.index))
 
         def write(tensors) -> tuple[list[WrittenFile], dict[str, str]]:
-            with progress_bar(total, f"write{self.index}") as advance:
-                return write_shards(destination, my_files, plans, tensors, advance)
+            return write_shards(destination, my_files, plans, tensors, self.progress_counts.counter("written"))
 
         written, digests = gather.run_transfer(
             self.index, transfer.buckets, plans, self._local, self.device,
-            write if my_files else None, after_read=self.release_pages,
+            write if my_files else None, after_read=self.release_pages, sent=self.progress_counts.counter("sent"),
         ) or ([], {})
         index_file = write_index(destination, index) if index is not None else None
         files = {
@@ -289,10 +279,15 @@ class ExportWorker:
 
     def check_files(self, destination: Store, names: list[str], expected: ExpectedExport) -> list[FileCheck]:
         """Re-read files this worker wrote from the destination and check them (see
-        `rayexport.verification.files.check_files`), with a progress bar of the bytes read."""
-        total = sum(expected.files[name]["size"] for name in names) if reads_whole_files(expected.level) else None
-        with progress_bar(total, f"verify{self.index}") as advance:
-            return check_files(destination, names, expected, advance)
+        `rayexport.verification.files.check_files`), counting the bytes read."""
+        if reads_whole_files(expected.level):
+            self.progress_counts.expect("verified", sum(expected.files[name]["size"] for name in names))
+        return check_files(destination, names, expected, self.progress_counts.counter("verified"))
+
+    def progress(self) -> WorkerProgress:
+        """This export's bytes done and expected so far (asked by the driver for its bar, from a
+        thread of its own while the other methods run)."""
+        return self.progress_counts.snapshot()
 
     def stats(self) -> WorkerStats:
         """Where this worker runs, the bytes it read and its memory so far (see `WorkerStats`)."""
@@ -324,6 +319,7 @@ class ExportWorker:
         self.states.clear()
         self.mapped = []
         self.bytes_read = 0
+        self.progress_counts = WorkerProgress()
         self.resident_before_load = None
         self._drop_spool()
         if export_id is not None:

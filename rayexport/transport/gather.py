@@ -206,6 +206,7 @@ def run_transfer(
     write: Callable[[Iterator[tuple[str, list[torch.Tensor]]]], T] | None,
     window: int = WINDOW,
     after_read: Callable[[], None] = lambda: None,
+    sent: Callable[[int], None] = lambda count: None,
 ) -> T | None:
     """This worker's part of the gather, stepping through the buckets in the planned order.
 
@@ -213,8 +214,9 @@ def run_transfer(
     is on the wire) and receives its own buckets, whose tensors go, in order, to `write`
     running in a thread, so receiving bucket k+1 overlaps writing bucket k. At most `window`
     buckets are held at once (see `Staging`). `after_read` runs once a bucket's source bytes
-    have been packed or written (to give back mapped pages). Returns what `write` returns
-    (None when this worker writes nothing)."""
+    have been packed or written (to give back mapped pages), `sent` with the bytes of each
+    bucket this worker has sent. Returns what `write` returns (None when this worker writes
+    nothing)."""
     ready: queue.Queue = queue.Queue()
     staging = Staging(device, staging_bytes(buckets, rank), window)
     outcome: dict[str, Any] = {}
@@ -260,6 +262,7 @@ def run_transfer(
                 pieces = bucket.sends[rank]
                 staging.send(slot, pieces, [local_piece(piece) for piece in pieces], bucket.writer)
                 after_read()
+                sent(_wire_bytes(bucket, rank))
         while staging.sends and not writer_failed():
             staging.finish_send()
     finally:
@@ -269,6 +272,11 @@ def run_transfer(
     if writer_failed():
         raise outcome["error"]
     return outcome.get("result")
+
+
+def sent_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
+    """Bytes `rank` sends over the network in the gather (to other writers)."""
+    return sum(_wire_bytes(bucket, rank) for bucket in buckets if bucket.writer != rank)
 
 
 def received_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
