@@ -17,6 +17,16 @@ from support.helpers import BUCKET, upload
 
 # The session's Ray head node (`ray_address`), once started.
 RAY_HEAD = pytest.StashKey()
+# A test that needs any of these (or a fixture that does) is `slow`, which `-m "not slow"` leaves
+# out: the session's Ray, its S3 server and the checkpoints gloo ranks write for the session. A
+# test slow for another reason (a cluster, a virtualenv, a subprocess export) is marked itself.
+SLOW_FIXTURES = frozenset({"ray_address", "s3_endpoint", "verl_checkpoints", "hf_sharded_checkpoints"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing-key",

@@ -19,6 +19,7 @@ from rayexport.transport.gather import WINDOW, Staging
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 MiB = 2**20

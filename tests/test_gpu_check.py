@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a whole export through local processes, each importing torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

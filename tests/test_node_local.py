@@ -24,7 +24,7 @@ from rayexport.layouts.verl import rank_file_name
 from support.node_cluster import NodeCluster, mount_namespaces_refused
 
 REFUSED = mount_namespaces_refused()
-pytestmark = pytest.mark.skipif(REFUSED is not None, reason=REFUSED or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REFUSED is not None, reason=REFUSED or "")]
 
 WORLD = 4
 # A dense tied model (its in-memory names are its on-disk ones), both layouts written by one set of ranks.

@@ -287,6 +287,7 @@ def _in_a_terminal(command: list[str], timeout: float = 300) -> tuple[int, str]:
     return process.wait(timeout=timeout), output.decode(errors="replace")
 
 
+@pytest.mark.slow  # writes a checkpoint with gloo ranks and exports it, perhaps starting Ray
 def test_the_demo_shows_one_progress_bar_and_no_worker_bars(tmp_path):
     """The README's first command in a terminal: the driver's bar, with every worker's counters,
     and none of the workers' own bars (`load0:`, `write1:`, ...) that Ray would forward."""

@@ -13,7 +13,6 @@ from typing import Any
 
 from huggingface_hub import StateDictSplit
 
-from rayexport.common.dtypes import nbytes
 from rayexport.common.errors import ExportError
 from rayexport.common.levels import resolved, runs_checks
 from rayexport.layouts.base import Checkpoint, Loaded, Part
@@ -29,11 +28,8 @@ from rayexport.orchestration.progress import WorkerProgress
 from rayexport.orchestration.session import ensure_ray
 from rayexport.orchestration.waits import all_succeed, get_all, step_limit
 from rayexport.orchestration.workers import ExportWorker, WorkerStats
-from rayexport.plan.naming import TensorPlan, TensorPlanning
-from rayexport.plan.pieces import Piece
-from rayexport.plan.schedule import TransferPlan, group_by_bytes
+from rayexport.plan.schedule import TransferPlan
 from rayexport.storage.store import Store
-from rayexport.transport.assembly import assemble
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.files import FileCheck
 
@@ -45,15 +41,6 @@ CHECKS_GROUP = "consumer-checks"
 PROGRESS_GROUP = "progress"
 # How long the bar waits for the workers' counters before it skips one refresh.
 PROGRESS_ASK_S = 2.0
-# The LoRA halves the driver holds at once while the workers record merged pieces' digests.
-LORA_REFERENCE_BYTES = 64 << 20
-
-
-def _adapter_bytes(plan: TensorPlan) -> int:
-    """The bytes of a LoRA-merged weight's A and B, as saved."""
-    return sum(nbytes(half.shape, half.source_dtype) for half in (plan.lora.a, plan.lora.b))
-
-
 @dataclass
 class Transferred:
     """What the gather wrote: every file (size, sha256), each tensor's digest, and each
@@ -267,53 +254,12 @@ class WorkerGroup:
                 differences[pair] = max(differences.get(pair, 0.0), value)
         return differences
 
-    def source_pieces(self, planning: TensorPlanning, worker_of_rank: dict[int, int]) -> dict[str, list[dict]]:
-        """Per output tensor, where each source piece goes and its digest after the planned
-        cast, computed by the worker holding it. A piece of a LoRA-merged weight is merged there
-        first (`lora` in its record) with the adapter, whose halves the driver reads from their
-        holders, never from the gather, at most LORA_REFERENCE_BYTES of them at a time."""
-        plans = planning.tensors + planning.adapters
-        pieces = self._piece_digests([(plan, None) for plan in plans if plan.lora is None], worker_of_rank)
-        merged = [plan for plan in plans if plan.lora is not None]
-        for batch in group_by_bytes(merged, _adapter_bytes, LORA_REFERENCE_BYTES):
-            halves = [half for plan in batch for half in (plan.lora.a, plan.lora.b)]
-            read = self._read_pieces([piece for half in halves for piece in half.pieces], worker_of_rank)
-            adapters = [
-                (assemble(plan.lora.a, read), assemble(plan.lora.b, read), plan.lora.scale, plan.lora.fan_in_fan_out)
-                for plan in batch
-            ]
-            pieces.update(self._piece_digests(list(zip(batch, adapters)), worker_of_rank))
-        return {name: sorted(records, key=lambda record: record["offset"]) for name, records in sorted(pieces.items())}
-
-    def _piece_digests(self, requested: list[tuple[TensorPlan, tuple | None]], worker_of_rank: dict[int, int]) -> dict[str, list[dict]]:
-        """The records of `source_pieces` for these plans, each with its adapter or None."""
-        requests: dict[int, list[tuple[Piece, str, tuple | None]]] = {}
-        names: dict[int, list[str]] = {}
-        for plan, adapter in requested:
-            for piece in plan.pieces:
-                worker = worker_of_rank[piece.rank]
-                requests.setdefault(worker, []).append((piece, plan.dtype, adapter))
-                names.setdefault(worker, []).append(plan.name)
-        workers = sorted(requests)
-        answers = self._get([self.actors[worker].source_digests.remote(requests[worker]) for worker in workers])
-        pieces: dict[str, list[dict]] = {}
-        for worker, digests in zip(workers, answers):
-            for (piece, _, adapter), name, digest in zip(requests[worker], names[worker], digests):
-                pieces.setdefault(name, []).append({
-                    "rank": piece.rank, "source_key": piece.source_key,
-                    "offset": list(piece.offset), "shape": list(piece.shape), "sha256": digest,
-                    **({"lora": True} if adapter is not None else {}),
-                })
-        return pieces
-
-    def _read_pieces(self, pieces: list[Piece], worker_of_rank: dict[int, int]) -> dict[Piece, Any]:
-        """Each piece's values, as the worker holding it read it."""
-        by_worker: dict[int, list[Piece]] = {}
-        for piece in pieces:
-            by_worker.setdefault(worker_of_rank[piece.rank], []).append(piece)
-        workers = sorted(by_worker)
-        answers = self._get([self.actors[worker].read_pieces.remote(by_worker[worker]) for worker in workers])
-        return {piece: tensor for worker, tensors in zip(workers, answers) for piece, tensor in zip(by_worker[worker], tensors)}
+    def ask(self, method: str, arguments: dict[int, tuple]) -> dict[int, Any]:
+        """Call the worker method `method` on each worker in `arguments`, all at once, with its
+        arguments there; each one's answer, by worker."""
+        workers = sorted(arguments)
+        answers = self._get([getattr(self.actors[worker], method).remote(*arguments[worker]) for worker in workers])
+        return dict(zip(workers, answers))
 
     def transfer(
         self, transfer: TransferPlan, plans: dict, split: StateDictSplit, destination: Store, carried: dict[str, bytes]

@@ -24,6 +24,7 @@ from rayexport.orchestration.export_plan import ExportPlan, plan_export
 from rayexport.orchestration.group import Transferred, WorkerGroup
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.progress import shown_progress
+from rayexport.orchestration.references import source_pieces
 from rayexport.orchestration.report import ExportReport
 from rayexport.orchestration.workers import WorkerStats
 from rayexport.plan.formats import ModelFormats
@@ -178,7 +179,7 @@ def _write_and_check(
     options, planning = plan.options, output.planning
     level = resolved(options.verify)
     with plan.stage("source_digests"):
-        source_pieces = group.source_pieces(planning, source.loaded.worker_of_rank) if runs_checks(level) else {}
+        reference = source_pieces(group, planning, source.loaded.worker_of_rank) if runs_checks(level) else {}
     carried = {**model.carried, **generated_files(model.config, planning, bool(output.untied), options.base_model)}
     with plan.stage("transfer") as moved:
         written = group.transfer(output.transfer, output.by_name, output.split, plan.destination, carried)
@@ -189,7 +190,7 @@ def _write_and_check(
     }
     expected = ExpectedExport(
         files=written.files, tensors=tensors, tied=_tied_pairs(model.formats, planning, output.untied),
-        adapter=bool(planning.adapters), pieces=source_pieces, level=level, trust_remote_code=options.trust_remote_code,
+        adapter=bool(planning.adapters), pieces=reference, level=level, trust_remote_code=options.trust_remote_code,
         format=planning.format, source_finite=source.finite, written_together=True, serve=options.serve,
     )
     consumers = group.start_consumer_checks(plan.destination, expected) if runs_checks(level) else None
