@@ -170,6 +170,31 @@ def lora_checkpoints(verl_checkpoints):
 
 
 @pytest.fixture(scope="session")
+def dcp_checkpoints(tmp_path_factory):
+    """The session's DCP checkpoints (`WrittenDcp`s), all saved by one set of 3 FSDP2 gloo ranks:
+    a tied Qwen2 nested under "model." with an optimizer state beside it, an untied Llama flat at
+    the top level and nested under "app.model.", and an untied Qwen2 saved through
+    torch.compile's wrapper (every key under `_orig_mod.`)."""
+    from support.checkpoints import DcpJob, WrittenDcp, write_dcp_checkpoints
+    from support.models import tiny_config
+
+    root = tmp_path_factory.mktemp("dcp")
+    untied_qwen2 = tiny_config("qwen2-tied")
+    untied_qwen2.tie_word_embeddings = False
+    jobs = {
+        "tied": DcpJob(tiny_config("qwen2-tied"), str(root / "tied"), "model.", with_optimizer=True),
+        "flat": DcpJob(tiny_config("llama-untied"), str(root / "flat"), ""),
+        "app": DcpJob(tiny_config("llama-untied"), str(root / "app"), "app.model.", with_optimizer=True),
+        "compiled-untied": DcpJob(untied_qwen2, str(root / "compiled-untied"), compiled=True),
+    }
+    written = write_dcp_checkpoints(list(jobs.values()), world_size=3)
+    return {
+        name: WrittenDcp(job.out_dir, job.prefix, job.with_optimizer, reference, logits)
+        for (name, job), (logits, reference) in zip(jobs.items(), written)
+    }
+
+
+@pytest.fixture(scope="session")
 def hf_sharded_checkpoints(tmp_path_factory):
     """torch's sharded HF safetensors of two models, written by one set of 2 gloo ranks: as
     torchtitan's `last_save_in_hf` leaves them (`titan/step-10/sharded/`, a tied Qwen2 with

@@ -10,40 +10,26 @@ import shutil
 import pytest
 import torch
 
-from support.checkpoints import DcpJob, write_dcp_checkpoints
 from support.helpers import download, error_lines, reload, run_main, s3_exists, upload
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
 
 @pytest.fixture(scope="module")
-def dcp_checkpoints(tmp_path_factory, s3_endpoint):
-    from support.models import tiny_config
-
-    root = tmp_path_factory.mktemp("dcp")
-    jobs = {
-        "tied": DcpJob(tiny_config("qwen2-tied"), str(root / "tied"), prefix="model.", with_optimizer=True),
-        "untied": DcpJob(tiny_config("llama-untied"), str(root / "untied"), prefix=""),
-        "compiled-untied": DcpJob(_untied(tiny_config("qwen2-tied")), str(root / "compiled-untied"), compiled=True),
-    }
-    written = write_dcp_checkpoints(list(jobs.values()), world_size=3)
+def dcp_checkpoints(dcp_checkpoints, s3_endpoint):
+    """The session's DCP checkpoints, each also uploaded to the S3 server."""
     return {
-        name: {"local": job.out_dir, "uri": upload(job.out_dir, f"s3://rayexport-tests/dcp/{name}"), "logits": logits}
-        for (name, job), (logits, _) in zip(jobs.items(), written)
+        name: {"local": written.path, "uri": upload(written.path, f"s3://rayexport-tests/dcp/{name}"), "logits": written.logits}
+        for name, written in dcp_checkpoints.items()
     }
 
 
-def _untied(config):
-    config.tie_word_embeddings = False
-    return config
-
-
-@pytest.mark.parametrize("name", ["tied", "untied"])
+@pytest.mark.parametrize("name", ["tied", "flat"])
 def test_dcp_export_matches_the_original(dcp_checkpoints, s3_prefix, tmp_path, name):
     checkpoint = dcp_checkpoints[name]
     report_path = tmp_path / "report.json"
     completed = run_main("--src", checkpoint["uri"], "--dst", s3_prefix, "--workers", "2", "--report", str(report_path), "--dtype", "float32",
-                         *(["--verify", "none"] if name == "untied" else []))
+                         *(["--verify", "none"] if name == "flat" else []))
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["layout"] == "dcp" and report["workers"] == 2 and report["world_size"] == 3
@@ -56,7 +42,7 @@ def test_dcp_export_matches_the_original(dcp_checkpoints, s3_prefix, tmp_path, n
 
 
 def test_config_from_hf_config_when_the_prefix_has_none(dcp_checkpoints, s3_prefix, tmp_path):
-    source = shutil.copytree(dcp_checkpoints["untied"]["local"], tmp_path / "ckpt")
+    source = shutil.copytree(dcp_checkpoints["flat"]["local"], tmp_path / "ckpt")
     shutil.move(source / "huggingface", tmp_path / "hf")
     src = upload(str(source), f"{s3_prefix}-src")
     refused = run_main("--src", src, "--dst", s3_prefix)
@@ -72,7 +58,7 @@ def test_config_from_hf_config_when_the_prefix_has_none(dcp_checkpoints, s3_pref
     (lambda folder: (folder / ".metadata").write_bytes((folder / ".metadata").read_bytes()[:100]), ".metadata"),
 ], ids=["metadata-missing", "metadata-truncated"])
 def test_broken_metadata(dcp_checkpoints, tmp_path, damage, fragment):
-    source = shutil.copytree(dcp_checkpoints["untied"]["local"], tmp_path / "ckpt")
+    source = shutil.copytree(dcp_checkpoints["flat"]["local"], tmp_path / "ckpt")
     damage(source)
     completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"))
     assert completed.returncode == 1 and fragment in completed.stderr, completed.stderr[-2000:]
@@ -80,7 +66,7 @@ def test_broken_metadata(dcp_checkpoints, tmp_path, damage, fragment):
 
 
 def test_dcp_keys_that_do_not_match_the_config(dcp_checkpoints, tmp_path):
-    source = shutil.copytree(dcp_checkpoints["untied"]["local"], tmp_path / "ckpt")
+    source = shutil.copytree(dcp_checkpoints["flat"]["local"], tmp_path / "ckpt")
     shutil.rmtree(source / "huggingface")
     shutil.copytree(dcp_checkpoints["tied"]["local"] + "/huggingface", source / "huggingface")
     completed = run_main("--src", str(source), "--dst", str(tmp_path / "out"), "--layout", "dcp")

@@ -27,7 +27,7 @@ from rayexport.orchestration.job import export
 from rayexport.plan.schedule import assign_by_bytes
 from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
-from support.checkpoints import DcpJob, write_dcp_checkpoint, write_dcp_checkpoints
+from support.checkpoints import write_dcp_checkpoint
 from support.helpers import BUCKET, upload
 from support.models import sized_llama_config
 
@@ -37,37 +37,14 @@ BUCKET_SIZE = 8 * MiB
 # thread's arena, Python objects.
 HEADROOM = 40 * MiB
 
-# name -> (tiny config, prefix, with optimizer)
-VARIANTS = {
-    "tied": ("qwen2-tied", "model.", True),
-    "flat": ("llama-untied", "", False),
-    "app": ("llama-untied", "app.model.", True),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Written:
-    path: str
-    prefix: str
-    with_optimizer: bool
-    reference: dict[str, torch.Tensor]
+# The session's DCP checkpoints (conftest's `dcp_checkpoints`) these tests read: nested with an
+# optimizer beside the model, flat, and nested deeper.
+VARIANTS = ("tied", "flat", "app")
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory) -> dict[str, Written]:
-    """One DCP checkpoint per variant, all saved by one set of 3 FSDP2 gloo ranks."""
-    from support.models import tiny_config
-
-    root = tmp_path_factory.mktemp("dcp")
-    jobs = [
-        DcpJob(tiny_config(kind), str(root / name), prefix, with_optimizer)
-        for name, (kind, prefix, with_optimizer) in VARIANTS.items()
-    ]
-    results = write_dcp_checkpoints(jobs, world_size=3)
-    return {
-        name: Written(job.out_dir, job.prefix, job.with_optimizer, reference)
-        for (name, job), (_, reference) in zip(zip(VARIANTS, jobs), results)
-    }
+def written(dcp_checkpoints):
+    return dcp_checkpoints
 
 
 def stored_entries(path: str) -> dict:

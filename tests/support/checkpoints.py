@@ -227,6 +227,18 @@ class DcpJob:
     compiled: bool = False
 
 
+@dataclass(frozen=True)
+class WrittenDcp:
+    """A DCP checkpoint as written: its folder, the DcpJob's prefix and optimizer, and what an
+    export must reproduce (the model's state dict and its logits on `PROMPT_IDS`)."""
+
+    path: str
+    prefix: str
+    with_optimizer: bool
+    reference: dict[str, torch.Tensor]
+    logits: torch.Tensor
+
+
 def write_dcp_checkpoint(
     config, out_dir: str, world_size: int = 3, prefix: str = "model.", with_optimizer: bool = False, seed: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
