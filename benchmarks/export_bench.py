@@ -9,11 +9,14 @@ over HTTP, then times on the same bytes:
   1. the floor: `cp -r` of the checkpoint (local) and s3fs `put` of it (S3);
   2. verl's model merger (`python -m verl.model_merger merge --backend fsdp`), installed into a
      separate virtualenv the script creates (benchmarks/.venv-verl), local only;
-  3. rayexport with 1, 2 and 4 workers, local and S3, through the CLI as a user runs it,
-     joined to one Ray instance whose start-up is reported on its own line.
-It also measures worker start-up for exports in a row with and without a warm pool, and the
-gather transports on this node (gloo point-to-point against Ray's shared-memory object store),
-and prints markdown tables. Nothing here asserts a time.
+  3. rayexport with 1, 2 and 4 workers (and `--writers`), at each `--verify` level, local and
+     S3, through the CLI as a user runs it, joined to one Ray instance whose start-up is
+     reported on its own line (as `ray job submit` runs it on a cluster that is up).
+Both tools are warm: verl's merger and one rayexport export run once, unmeasured, on the first
+size. It also measures worker start-up for exports in a row with and without a warm pool, and
+the gather transports on this node (gloo point-to-point against Ray's shared-memory object
+store), prints markdown tables, and draws the local runs' wall time and peak memory against
+checkpoint size (`--plots DIR`, default docs/images). Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # support: the tests' FSD
 
 from support.checkpoints import write_synthetic_checkpoint  # noqa: E402
 from support.models import sized_llama_config  # noqa: E402
+from plots import DOCS_IMAGES, SizePoint, size_plot  # noqa: E402
 
 VERL_VENV = os.path.join(HERE, ".venv-verl")
+VERL_VERSION = "0.9.1"
 BUCKET = "bench"
 S3_ENV = {"AWS_ACCESS_KEY_ID": "bench-key", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
 MiB = 2**20
@@ -113,16 +118,16 @@ def verl_python() -> str:
         print("creating", VERL_VENV, "with verl (once; a few minutes)", flush=True)
         subprocess.run([sys.executable, "-m", "venv", VERL_VENV], check=True)
         subprocess.run([python, "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}"], check=True)
-        subprocess.run([python, "-m", "pip", "install", "-q", "verl"], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", f"verl=={VERL_VERSION}"], check=True)
     return python
 
 
 def rayexport_run(
-    src: str, dst: str, workers: int, writers: int, bucket_size: str, env: dict[str, str], report: str
+    src: str, dst: str, workers: int, writers: int, bucket_size: str, env: dict[str, str], report: str, verify: str = "none",
 ) -> tuple[float, dict]:
     command = [
         sys.executable, "-m", "rayexport.run", "--src", src, "--dst", dst, "--workers", str(workers),
-        "--writers", str(writers), "--verify", "none", "--bucket-size", bucket_size, "--report", report,
+        "--writers", str(writers), "--verify", verify, "--bucket-size", bucket_size, "--report", report,
         "--log-level", "WARNING",
     ]
     seconds, _ = measure(command, env)
@@ -241,13 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--transport-mb", type=int, default=256, help="buffer size of the transport comparison")
     parser.add_argument("--startup-exports", type=int, default=3, help="exports in a row for the warm-pool comparison")
+    parser.add_argument("--verify", default="none", help="rayexport --verify levels, each run for every worker count (default none)")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+    parser.add_argument("--plots", metavar="DIR", default=DOCS_IMAGES, help="where the size plot goes (default docs/images)")
     args = parser.parse_args(argv)
     sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
     worker_counts = [int(count) for count in args.workers.split(",")]
-    configurations = [(workers, 1) for workers in worker_counts]
+    levels = [level.strip() for level in args.verify.split(",") if level.strip()]
+    configurations = [(workers, 1, level) for level in levels for workers in worker_counts]
     if args.writers > 1:
-        configurations.append((max(worker_counts), args.writers))
+        configurations += [(max(worker_counts), args.writers, level) for level in levels]
     report_path = os.path.join(args.workdir, "report.json")
     os.makedirs(args.workdir, exist_ok=True)
 
@@ -265,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     try:
         transport = transport_bench(args.transport_mb, repeats=4)
+        warmed = False
         for size in sizes:
             config = sized_llama_config(parse_size(size))
             src = os.path.join(args.workdir, f"ckpt-{size}", "global_step_1", "actor")
@@ -274,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
                 write_synthetic_checkpoint(config, src, args.world_size)
             nbytes = sum(os.path.getsize(os.path.join(src, name)) for name in os.listdir(src) if name.endswith(".pt"))
             out = os.path.join(args.workdir, "out")
+            if not warmed:  # both tools warm: each command once, unmeasured (imports compiled, files cached)
+                print("warming both tools: one unmeasured run of each", flush=True)
+                if not args.skip_verl:
+                    verl_merge(src, out, env)
+                    remove(out, s3)
+                rayexport_run(src, out, worker_counts[0], 1, args.bucket_size, env, report_path, levels[-1])
+                remove(out, s3)
+                warmed = True
 
             remove(out, s3)
             floor_s, _ = measure(["cp", "-r", src, out])
@@ -282,15 +299,14 @@ def main(argv: list[str] | None = None) -> int:
 
             verl_s = None
             if not args.skip_verl:
-                verl_s, verl_rss = measure([verl_python(), "-m", "verl.model_merger", "merge", "--backend", "fsdp",
-                                            "--local_dir", src, "--target_dir", out], dict(env, CUDA_VISIBLE_DEVICES=""))
+                verl_s, verl_rss = verl_merge(src, out, env)
                 runs.append(Run(size, "verl model_merger (local)", verl_s, export_s=verl_s, peak_rss={"merger": verl_rss},
                                 floor_s=floor_s, nbytes=nbytes))
                 remove(out, s3)
 
-            for workers, writers in configurations:
-                wall, report = rayexport_run(src, out, workers, writers, args.bucket_size, env, report_path)
-                runs.append(_rayexport_row(size, _label(workers, writers, "local"), wall, report, floor_s, verl_s, nbytes))
+            for workers, writers, level in configurations:
+                wall, report = rayexport_run(src, out, workers, writers, args.bucket_size, env, report_path, level)
+                runs.append(_rayexport_row(size, _label(workers, writers, level, "local"), wall, report, floor_s, verl_s, nbytes))
                 remove(out, s3)
 
             if s3 is not None:
@@ -300,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                 s3.put(src, s3_src, recursive=True)
                 s3_floor_s = time.perf_counter() - started
                 runs.append(Run(size, "floor: s3fs put (S3)", s3_floor_s, export_s=s3_floor_s, nbytes=nbytes))
-                for workers, writers in configurations:
-                    wall, report = rayexport_run(s3_src, s3_out, workers, writers, args.bucket_size, env, report_path)
-                    runs.append(_rayexport_row(size, _label(workers, writers, "S3"), wall, report, s3_floor_s, None, nbytes))
+                for workers, writers, level in configurations:
+                    wall, report = rayexport_run(s3_src, s3_out, workers, writers, args.bucket_size, env, report_path, level)
+                    runs.append(_rayexport_row(size, _label(workers, writers, level, "S3"), wall, report, s3_floor_s, None, nbytes))
                     remove(s3_out, s3)
                 remove(s3_src, s3)
         first = os.path.join(args.workdir, f"ckpt-{sizes[0]}", "global_step_1", "actor")
@@ -312,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.terminate()
     print_tables(runs, ray_start_s, transport, startup, args)
+    print("\nplot:", plot_sizes(runs, args))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"ray_start_s": ray_start_s, "transport_mb_s": transport, "startup_s": startup,
@@ -319,8 +336,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _label(workers: int, writers: int, storage: str) -> str:
-    return f"rayexport {workers} worker(s)" + (f", {writers} writers" if writers > 1 else "") + f" ({storage})"
+def verl_merge(src: str, out: str, env: dict[str, str]) -> tuple[float, int]:
+    """verl's merger on the checkpoint at `src`, as its users run it: wall seconds and peak RSS."""
+    command = [verl_python(), "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", src, "--target_dir", out]
+    return measure(command, dict(env, CUDA_VISIBLE_DEVICES=""))
+
+
+def _label(workers: int, writers: int, verify: str, storage: str) -> str:
+    return (f"rayexport {workers} worker(s)" + (f", {writers} writers" if writers > 1 else "")
+            + f", --verify {verify} ({storage})")
+
+
+def plot_sizes(runs: list[Run], args) -> str:
+    """docs' picture of the local runs: wall time and the largest process against checkpoint
+    size, for the floor (cp -r), verl's merger and each rayexport configuration."""
+    points = [
+        SizePoint(run.name.removesuffix(" (local)"), run.nbytes, run.wall_s, max(run.peak_rss.values()) if run.peak_rss else None)
+        for run in runs if run.name.endswith("(local)")
+    ]
+    title = (f"local disk, world size {args.world_size}, bf16, --bucket-size {args.bucket_size}, "
+             "each tool warm; rayexport starts no Ray of its own (joined, as ray job submit runs it)")
+    return size_plot(points, os.path.join(args.plots, "export-vs-size.png"), title)
 
 
 def _rayexport_row(size: str, name: str, wall: float, report: dict, floor_s: float, verl_s: float | None, nbytes: int) -> Run:
@@ -344,7 +380,7 @@ def print_tables(runs: list[Run], ray_start_s: float, transport: dict[str, float
         print(f"| {run.size} | {run.name} | {run.wall_s:.1f} | {run.export_s:.1f} | {start} | {ratio_floor} | "
               f"{ratio_verl} | {run.nbytes / run.export_s / 1e6:.0f} | {rss} |")
     print("\nexport s: rayexport's plan + load + transfer + commit stages (no Ray or actor start-up); "
-          "x floor: export s / the floor's seconds on the same storage; x verl: wall / verl's wall.")
+          "x floor: export s / the floor's seconds on the same storage; x verl: wall / verl's wall, both warm.")
     print(f"\nworker start-up (actors and process group) for {args.startup_exports} exports in a row of the "
           f"{args.sizes.split(',')[0]} checkpoint with export_remote, {max(int(c) for c in args.workers.split(','))} workers:")
     for label, values in startup.items():

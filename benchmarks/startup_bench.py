@@ -29,6 +29,7 @@ import sys
 import time
 
 from export_bench import measure, remove, verl_python  # puts tests/ on sys.path
+from plots import DOCS_IMAGES, phase_plot
 from scale_bench import checkpoint
 
 REMOTE_DRIVER = """
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between the two export_remote calls, as training runs between checkpoints (default 20)")
     parser.add_argument("--workdir", default=os.path.join("/var/tmp", "rayexport-scale-bench"))
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--plots", metavar="DIR", default=DOCS_IMAGES, help="where the phase plot goes (default docs/images)")
     args = parser.parse_args(argv)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     if args.tree:
@@ -194,7 +196,26 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as handle:
             json.dump({"verl": measured["verl"], "ray_alone": measured["ray"], "quick": measured["quick"], "full": measured["full"], "remote": remote},
                       handle, indent=2)
+    print("\nplot:", plot_phases(measured, remote, nbytes, args))
     return 0
+
+
+def plot_phases(measured: dict[str, list[dict]], remote: list[dict], nbytes: int, args) -> str:
+    """docs' picture of the fixed cost: a stacked bar per run, of each phase's median seconds
+    (verl's merger and Ray alone as one segment each)."""
+    def medians(runs: list[dict]) -> dict[str, float]:
+        phases = dict.fromkeys(name for run in runs for name in run["seconds"])
+        return {name: statistics.median(run["seconds"].get(name, 0.0) for run in runs) for name in phases}
+
+    bars = {
+        "verl model_merger": {"verl's whole run": statistics.median(run["wall_s"] for run in measured["verl"])},
+        "Ray alone (no export)": {"ray_start + ray_stop": statistics.median(run["wall_s"] for run in measured["ray"])},
+        "rayexport --verify quick": medians(measured["quick"]),
+        "rayexport --verify full": medians(measured["full"]),
+        **{f"export_remote, warm pool: export {number}": medians([run]) for number, run in enumerate(remote, start=1)},
+    }
+    title = f"{nbytes / 1e9:.1f} GB checkpoint, world size 4, --bucket-size {args.bucket_size}: where each run's seconds go"
+    return phase_plot(bars, os.path.join(args.plots, "fixed-cost-phases.png"), title, order=PHASES)
 
 
 if __name__ == "__main__":

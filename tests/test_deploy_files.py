@@ -35,6 +35,8 @@ CRONJOB = INFRA / "cronjob-watch.yaml"
 MANIFESTS = [RAYJOB, CRONJOB]
 SCRIPTS = [INFRA / "local-up.sh", INFRA / "local-down.sh"]
 READMES = [JOBS / "README.md", INFRA / "README.md"]
+# The user's pages, whose commands must run as shown too.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ALL_FILES = RUNTIME_ENVS + MANIFESTS + SCRIPTS + READMES
 
 WATCHER_FLAGS = ("--watch", "--pattern", "--dst-template", "--once")
@@ -69,7 +71,7 @@ def _text_commands(path: Path) -> list[list[str]]:
             while line.endswith("\\") and index + 1 < len(lines):
                 index += 1
                 line = line[:-1] + " " + lines[index]
-            tokens = shlex.split(line)
+            tokens = shlex.split(line, comments=True)  # a shell drops a trailing comment
             if "rayexport.run" in tokens:
                 commands.append(tokens[tokens.index("rayexport.run") + 1 :])
         index += 1
@@ -101,7 +103,7 @@ def _cronjob_command() -> list[str]:
 
 
 def all_commands() -> list[tuple[str, list[str]]]:
-    found = [(name(path), command) for path in RUNTIME_ENVS + READMES for command in _text_commands(path)]
+    found = [(name(path), command) for path in RUNTIME_ENVS + READMES + PAGES for command in _text_commands(path)]
     found.append((name(RAYJOB), _rayjob_command()))
     found.append((name(CRONJOB), _cronjob_command()))
     return found

@@ -229,3 +229,41 @@ def options_from_arguments(arguments: argparse.Namespace) -> dict[str, Any]:
 _ARGUMENT_TYPES = {
     "int | None": int, "int": int, "float": float, "float | None": float, "dict[str, Any]": json.loads,
 }
+
+
+def option_reference() -> str:
+    """docs/options.md: every `ExportOptions` field, by --help group, as Markdown tables: its
+    flag, its keyword in `export()` and `export_remote()`, its default and its help. Made from
+    the same fields as the command line's parser, so the page cannot drift from the code
+    (`tests/test_docs.py` checks it is what this returns)."""
+    lines = [
+        "# Options",
+        "",
+        "Every option of an export, as `python -m rayexport.run` takes it and as a keyword of `rayexport.export()`",
+        "and `rayexport.export_remote()`. This page is generated from `rayexport.orchestration.options.ExportOptions`",
+        "(`python -m rayexport.orchestration.options > docs/options.md`); a test fails when the two differ.",
+    ]
+    for group in GROUPS:
+        lines += ["", f"## {group[:1].upper()}{group[1:]}", "", "| option | keyword | default | meaning |", "| --- | --- | --- | --- |"]
+        for item in dataclasses.fields(ExportOptions):
+            if item.metadata["group"] != group:
+                continue
+            meta = item.metadata
+            flag = cli_flag(item) + (f" {meta['metavar']}" if meta["metavar"] else "")
+            choices = f"one of {', '.join(f'`{choice}`' for choice in meta['choices'])}: " if meta["choices"] else ""
+            required = " (required)" if item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING else ""
+            lines.append(f"| `{flag}`{required} | `{item.name}` | {_shown_default(item)} | {choices}{meta['help']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _shown_default(item: dataclasses.Field) -> str:
+    default = item.default if item.default_factory is dataclasses.MISSING else item.default_factory()
+    if default is dataclasses.MISSING or default is None or default == {}:
+        return ""
+    if default is False:
+        return "off"
+    return f"`{default:g}`" if isinstance(default, float) else f"`{default}`"
+
+
+if __name__ == "__main__":
+    print(option_reference(), end="")

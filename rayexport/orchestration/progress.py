@@ -120,10 +120,11 @@ class ExportProgress:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, failed, *exc_info) -> None:
         self.stopped.set()
         self.thread.join()
-        self._refresh(self.ask())
+        if failed is None:  # the last counts; a failed export ends at once
+            self._refresh(self.ask())
         if self.bar is not None:
             self.bar.close()
 
