@@ -249,7 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", default="none", help="rayexport --verify levels, each run for every worker count (default none)")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     parser.add_argument("--plots", metavar="DIR", default=DOCS_IMAGES, help="where the size plot goes (default docs/images)")
+    parser.add_argument("--replot", metavar="JSON", help="only draw the plot again from a run's --json")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as handle:
+            print("plot:", plot_sizes([Run(**run) for run in json.load(handle)["runs"]], args))
+        return 0
     sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
     worker_counts = [int(count) for count in args.workers.split(",")]
     levels = [level.strip() for level in args.verify.split(",") if level.strip()]
@@ -354,8 +359,7 @@ def plot_sizes(runs: list[Run], args) -> str:
         SizePoint(run.name.removesuffix(" (local)"), run.nbytes, run.wall_s, max(run.peak_rss.values()) if run.peak_rss else None)
         for run in runs if run.name.endswith("(local)")
     ]
-    title = (f"local disk, world size {args.world_size}, bf16, --bucket-size {args.bucket_size}, "
-             "each tool warm; rayexport starts no Ray of its own (joined, as ray job submit runs it)")
+    title = f"local disk, world size {args.world_size}, bf16, --bucket-size {args.bucket_size}, both tools warm, Ray joined"
     return size_plot(points, os.path.join(args.plots, "export-vs-size.png"), title)
 
 

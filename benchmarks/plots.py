@@ -55,7 +55,7 @@ def size_plot(points: list[SizePoint], path: str, title: str) -> str:
         axes.set_xlim(left=0)
         axes.set_ylim(bottom=0)
         axes.legend(fontsize="small")
-    figure.suptitle(title)
+    figure.suptitle(title, y=1.03)
     return _save(figure, path)
 
 

@@ -141,7 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=os.path.join("/var/tmp", "rayexport-scale-bench"))
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plots", metavar="DIR", default=DOCS_IMAGES, help="where the phase plot goes (default docs/images)")
+    parser.add_argument("--replot", metavar="JSON", help="only draw the plot again from a run's --json")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as handle:
+            saved = json.load(handle)
+        measured = {"verl": saved["verl"], "ray": saved["ray_alone"], "quick": saved["quick"], "full": saved["full"]}
+        print("plot:", plot_phases(measured, saved["remote"], saved["nbytes"], args))
+        return 0
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     if args.tree:
         env["PYTHONPATH"] = os.path.abspath(args.tree)
@@ -194,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         print(phase_table({f"export {number}": [run] for number, run in enumerate(remote, start=1)}))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"verl": measured["verl"], "ray_alone": measured["ray"], "quick": measured["quick"], "full": measured["full"], "remote": remote},
-                      handle, indent=2)
+            json.dump({"verl": measured["verl"], "ray_alone": measured["ray"], "quick": measured["quick"], "full": measured["full"],
+                       "remote": remote, "nbytes": nbytes}, handle, indent=2)
     print("\nplot:", plot_phases(measured, remote, nbytes, args))
     return 0
 
