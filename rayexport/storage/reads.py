@@ -25,7 +25,7 @@ READ_ATTEMPTS = 3
 
 
 def _body_errors() -> tuple[type[BaseException], ...]:
-    """`storage_s3.BODY_ERRORS`; none before s3fs is loaded, since only its reads raise them."""
+    """`rayexport.storage.s3.BODY_ERRORS`; none before s3fs is loaded, since only its reads raise them."""
     if "s3fs" not in sys.modules:
         return ()
     from rayexport.storage.s3 import BODY_ERRORS
