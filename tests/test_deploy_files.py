@@ -39,7 +39,8 @@ READMES = [JOBS / "README.md", INFRA / "README.md"]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ALL_FILES = RUNTIME_ENVS + MANIFESTS + SCRIPTS + READMES
 
-WATCHER_FLAGS = ("--watch", "--pattern", "--dst-template", "--once")
+WATCHER_FLAGS = ("--watch", "--pattern", "--dst-template")
+WATCHER_PACE = ("--once", "--interval")  # one pass (cron) or a poll
 SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "RAY_AUTH_TOKEN")
 MOTO_DUMMY = "moto-local-dummy"  # the key pair local-up.sh hands to moto, which accepts any
 
@@ -139,6 +140,7 @@ def test_every_file_shows_its_command():
         assert ("--src" in command and "--dst" in command) or "--demo" in command, command
     for command in watch:
         assert all(flag in command for flag in WATCHER_FLAGS), f"a watcher command without all of {WATCHER_FLAGS}: {command}"
+        assert any(flag in command for flag in WATCHER_PACE), f"a watcher command without one of {WATCHER_PACE}: {command}"
         assert command[command.index("--pattern") + 1] == "global_step_*/actor"
         assert "{step}" in command[command.index("--dst-template") + 1]
 
