@@ -18,7 +18,7 @@ def test_each_layout_is_detected_from_its_files(tmp_path):
     trainer = folder_with(tmp_path / "checkpoint-500", {"pytorch_model_fsdp_0/__0_0.distcp": b"x", "optimizer_0/x": b"x"})
     assert [detect_layout(store).name for store in (verl, dcp, trainer)] == ["verl", "dcp", "accelerate"]
     assert detect_layout(folder_with(tmp_path / "other", {"notes.txt": b"x"})) is None
-    assert LAYOUT_NAMES == ("auto", "torchtitan", "dcp", "verl", "accelerate", "hf-sharded")
+    assert LAYOUT_NAMES == ("auto", "megatron", "torchtitan", "dcp", "verl", "accelerate", "hf-sharded")
     assert LAYOUT_NAMES[1:] == tuple(layout.name for layout in LAYOUTS)  # --layout's choices are the readers'
 
 
@@ -36,7 +36,7 @@ def test_the_watcher_waits_for_each_layouts_completion_marker(tmp_path):
 
 
 def test_an_unknown_layout_is_one_line_naming_the_known_ones():
-    with pytest.raises(ExportError, match=r"unknown layout 'bogus' \(known: auto, torchtitan, dcp, verl, accelerate, hf-sharded\)"):
+    with pytest.raises(ExportError, match=r"unknown layout 'bogus' \(known: auto, megatron, torchtitan, dcp, verl, accelerate, hf-sharded\)"):
         layout_named("bogus")
 
 

@@ -95,6 +95,8 @@ _METADATA_GLOBALS = {
         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron-Core's torch_dist save keeps every rank's plan in `all_local_plans`
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"},
     # where TensorProperties lived in checkpoints from older torch
     "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
     "torch": {"Size"},

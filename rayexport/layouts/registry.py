@@ -9,11 +9,14 @@ from rayexport.layouts.accelerate import AccelerateLayout
 from rayexport.layouts.base import Checkpoint, Layout, SourceSettings
 from rayexport.layouts.dcp import DcpLayout
 from rayexport.layouts.hf_sharded import ShardedSafetensorsLayout
+from rayexport.layouts.megatron import MegatronLayout
 from rayexport.layouts.torchtitan import TorchtitanLayout
 from rayexport.layouts.verl import VerlLayout
 from rayexport.storage.store import Store
 
-LAYOUTS: tuple[Layout, ...] = (TorchtitanLayout(), DcpLayout(), VerlLayout(), AccelerateLayout(), ShardedSafetensorsLayout())
+LAYOUTS: tuple[Layout, ...] = (
+    MegatronLayout(), TorchtitanLayout(), DcpLayout(), VerlLayout(), AccelerateLayout(), ShardedSafetensorsLayout(),
+)
 # What `auto` falls back to when no layout recognises the files: its errors name what is missing.
 FALLBACK = VerlLayout()
 

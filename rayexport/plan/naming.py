@@ -15,6 +15,7 @@ from rayexport.plan.keys import normalize_key
 from rayexport.plan.lora import (
     LoraSettings, LoraTarget, adapter_tensor_name, is_peft_checkpoint, lora_settings, split_peft_names,
 )
+from rayexport.plan.megatron import megatron_names
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, tensor_pieces
 from rayexport.plan.shards import ShardInfo
 from rayexport.plan.ties import TieResolution, resolve_tied_names
@@ -194,11 +195,10 @@ def _check_coverage(
 def _naming_hint(checkpoint_key: dict[str, str], has_base_model: bool, has_adapters: bool) -> str:
     """What the checkpoint's names say about why the model's are missing: another trainer's
     naming, or adapters without their base weights."""
-    foreign = torchtitan_names(checkpoint_key)
-    if foreign:
-        return (
-            f"; these look like torchtitan names ({', '.join(foreign[:2])}, ...): read them with --layout torchtitan"
-        )
+    for producer, names_of in (("torchtitan", torchtitan_names), ("megatron", megatron_names)):
+        foreign = names_of(checkpoint_key)
+        if foreign:
+            return f"; these look like {producer} names ({', '.join(foreign[:2])}, ...): read them with --layout {producer}"
     if has_adapters and not has_base_model:
         return "; for a LoRA-only checkpoint pass --base-model"
     return ""

@@ -1,0 +1,211 @@
+"""Megatron-Core's names for a Hugging Face model, and the tiles of them that each on-disk tensor
+is: what each tensor of a `torch_dist` checkpoint becomes. Pure functions.
+
+A Megatron-Core checkpoint stacks each layer's tensors on a leading axis
+(`decoder.layers.self_attention.linear_qkv.weight` is (layers, rows, hidden); pipeline stages
+save their layers' range of it), MoE experts on a second one (`...experts.experts.linear_fc1.weight`
+is (layers, experts, 2 * ffn, hidden)), and fuses projections: `linear_qkv` rows come a query
+group at a time, [the group's q heads, its k head, its v head], and `linear_fc1` rows are
+[gate ; up] in the saved tensor (each tensor-parallel rank saves its two halves as two chunks).
+Norms are saved under TransformerEngine's fused names even by the local layer spec
+(`linear_qkv.layer_norm_weight`), or apart (`input_layernorm.weight`). So each Hugging Face
+tensor is a box of one saved tensor: a layer (and expert) index, a block of rows.
+
+The rules are written out here rather than by calling Megatron's or mbridge's conversions: those
+import Megatron-Core, which needs a torch of its own and builds the whole model. tests/test_megatron.py
+checks them tensor for tensor against mbridge's export of real Megatron-Core checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+from rayexport.common.errors import ExportError
+from rayexport.plan.formats import Naming, ProducerNaming
+from rayexport.plan.tiles import Tile
+
+PRODUCER = "megatron"
+Saved = dict[str, tuple[tuple[int, ...], str]]  # each saved tensor's global shape and dtype
+
+# How an on-disk tensor is cut from its saved tensor: all of it (after the layer/expert index),
+# the vocabulary's rows (Megatron pads the vocabulary), a query group's q, k or v rows, the gate
+# or up half of `linear_fc1`.
+WHOLE, VOCAB, Q, K, V, GATE, UP = "whole", "vocab", "q", "k", "v", "gate", "up"
+
+_LAYERS = "decoder.layers."
+_QKV = _LAYERS + "self_attention.linear_qkv."
+_EXPERTS = _LAYERS + "mlp.experts.experts."
+# (on-disk name, Megatron names it may be saved under, the cut); {L} is a layer, {E} an expert.
+_RULES = (
+    ("model.embed_tokens.weight", ("embedding.word_embeddings.weight",), VOCAB),
+    ("lm_head.weight", ("output_layer.weight",), VOCAB),
+    ("model.norm.weight", ("decoder.final_layernorm.weight",), WHOLE),
+    ("model.layers.{L}.input_layernorm.weight", (_QKV + "layer_norm_weight", _LAYERS + "input_layernorm.weight"), WHOLE),
+    ("model.layers.{L}.self_attn.q_proj.weight", (_QKV + "weight",), Q),
+    ("model.layers.{L}.self_attn.k_proj.weight", (_QKV + "weight",), K),
+    ("model.layers.{L}.self_attn.v_proj.weight", (_QKV + "weight",), V),
+    ("model.layers.{L}.self_attn.q_proj.bias", (_QKV + "bias",), Q),
+    ("model.layers.{L}.self_attn.k_proj.bias", (_QKV + "bias",), K),
+    ("model.layers.{L}.self_attn.v_proj.bias", (_QKV + "bias",), V),
+    ("model.layers.{L}.self_attn.o_proj.weight", (_LAYERS + "self_attention.linear_proj.weight",), WHOLE),
+    ("model.layers.{L}.self_attn.q_norm.weight", (_LAYERS + "self_attention.q_layernorm.weight",), WHOLE),
+    ("model.layers.{L}.self_attn.k_norm.weight", (_LAYERS + "self_attention.k_layernorm.weight",), WHOLE),
+    ("model.layers.{L}.post_attention_layernorm.weight",
+     (_LAYERS + "mlp.linear_fc1.layer_norm_weight", _LAYERS + "pre_mlp_layernorm.weight"), WHOLE),
+    ("model.layers.{L}.mlp.gate_proj.weight", (_LAYERS + "mlp.linear_fc1.weight",), GATE),
+    ("model.layers.{L}.mlp.up_proj.weight", (_LAYERS + "mlp.linear_fc1.weight",), UP),
+    ("model.layers.{L}.mlp.down_proj.weight", (_LAYERS + "mlp.linear_fc2.weight",), WHOLE),
+    # MoE: Qwen3-MoE's names, then Mixtral's
+    ("model.layers.{L}.mlp.gate.weight", (_LAYERS + "mlp.router.weight",), WHOLE),
+    ("model.layers.{L}.mlp.experts.{E}.gate_proj.weight", (_EXPERTS + "linear_fc1.weight",), GATE),
+    ("model.layers.{L}.mlp.experts.{E}.up_proj.weight", (_EXPERTS + "linear_fc1.weight",), UP),
+    ("model.layers.{L}.mlp.experts.{E}.down_proj.weight", (_EXPERTS + "linear_fc2.weight",), WHOLE),
+    ("model.layers.{L}.block_sparse_moe.gate.weight", (_LAYERS + "mlp.router.weight",), WHOLE),
+    ("model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight", (_EXPERTS + "linear_fc1.weight",), GATE),
+    ("model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight", (_EXPERTS + "linear_fc1.weight",), UP),
+    ("model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight", (_EXPERTS + "linear_fc2.weight",), WHOLE),
+)
+_PATTERNS = tuple(
+    (re.compile("^" + re.escape(disk).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)") + "$"), saved, cut)
+    for disk, saved, cut in _RULES
+)
+# The Hugging Face model types whose every tensor the rules above name.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# Names only Megatron-Core gives, to recognise its checkpoints by.
+_SIGNATURES = re.compile(r"^(embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.(layers|final_layernorm)\..*)$")
+
+
+def megatron_names(names: Iterable[str]) -> list[str]:
+    """The names among `names` that only Megatron-Core gives (empty: not a Megatron checkpoint)."""
+    return [name for name in names if _SIGNATURES.match(name)]
+
+
+def megatron_namings(saved: Saved) -> Callable[[dict, Naming], dict[str, ProducerNaming]]:
+    """The `Checkpoint.producer_namings` of a checkpoint whose tensors are `saved`: Megatron's
+    naming of the model whose config.json and on-disk naming it is given."""
+    def namings(config: dict, disk: Naming) -> dict[str, ProducerNaming]:
+        return {PRODUCER: megatron_naming(config, disk, saved)}
+
+    return namings
+
+
+def megatron_naming(config: dict, disk: Naming, saved: Saved) -> ProducerNaming:
+    """Megatron's naming of the model whose config.json is `config` and on-disk naming `disk`,
+    each on-disk tensor as its box of the `saved` tensor it is cut from, or one line naming the
+    model type, tensor or size that does not fit."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ExportError(
+            f"Megatron-Core checkpoints of model type '{model_type}' are not mapped to Hugging Face names "
+            f"(rayexport maps {', '.join(MODEL_TYPES)}); check --hf-config"
+        )
+    rows = _attention_rows(config)
+    expected: Saved = {}
+    tiles: dict[str, tuple[Tile, ...]] = {}
+    for name, (shape, _) in disk.expected.items():
+        source, index, cut = _source_of(name, saved, disk.aliases)
+        if source not in saved:
+            continue  # a tied alias the checkpoint does not hold
+        expected[source] = saved[source]
+        tiles[name] = _cut(name, source, saved[source][0], index, tuple(shape), cut, rows)
+    aliases = {}
+    for alias, canonical in disk.aliases.items():
+        alias_source, canonical_source = (_source_of(name, saved, disk.aliases)[0] for name in (alias, canonical))
+        if canonical_source in expected:
+            aliases[alias_source] = canonical_source
+            expected.setdefault(alias_source, expected[canonical_source])
+    return ProducerNaming(Naming(expected, aliases), tiles)
+
+
+def _source_of(name: str, saved: Saved, aliases: dict[str, str]) -> tuple[str, tuple[int, ...], str]:
+    """The saved tensor that on-disk tensor `name` is cut from, the layer (and expert) index it
+    is at, and the cut; of a name's possible saved names, the one the checkpoint holds."""
+    for pattern, sources, cut in _PATTERNS:
+        found = pattern.match(name)
+        if found:
+            index = tuple(int(value) for value in found.groups())
+            source = next((source for source in sources if source in saved), sources[0])
+            if source not in saved and name not in aliases:
+                raise ExportError(f"the Megatron-Core checkpoint has no tensor '{source}', which '{name}' is cut from")
+            return source, index, cut
+    raise ExportError(f"tensor '{name}' of the config's model has no Megatron-Core name rayexport knows")
+
+
+def _attention_rows(config: dict) -> dict[str, int]:
+    """The sizes that place q, k and v rows in `linear_qkv`: heads, query groups, head size."""
+    heads = config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return {"heads": heads, "groups": groups, "head_dim": head_dim}
+
+
+def _cut(
+    name: str, source: str, source_shape: tuple[int, ...], index: tuple[int, ...], shape: tuple[int, ...], cut: str,
+    rows: dict[str, int],
+) -> tuple[Tile, ...]:
+    """On-disk tensor `name` (of `shape`) as the tiles of saved tensor `source` that `cut` takes
+    at layer/expert `index`, after checking that the saved sizes agree with the config's."""
+    for axis, (position, limit) in enumerate(zip(index, source_shape)):
+        if position >= limit:
+            what = "layer" if axis == 0 else "expert"
+            raise ExportError(
+                f"'{name}' needs {what} {position} of Megatron-Core tensor '{source}', which holds {limit} "
+                f"(shape {list(source_shape)}); check --hf-config"
+            )
+    inner = source_shape[len(index):]
+    if cut in (Q, K, V):
+        return _attention_tiles(name, source, source_shape, index, shape, cut, rows)
+    if cut == VOCAB:  # rows past the vocabulary are Megatron's padding, dropped
+        blocks, fits = [(0, 0, shape[0])], inner[1:] == shape[1:] and inner[0] >= shape[0]
+    elif cut in (GATE, UP):
+        blocks = [(0, 0 if cut == GATE else shape[0], shape[0])]
+        fits = inner == (2 * shape[0], *shape[1:])
+    else:
+        blocks, fits = [(0, 0, shape[0])] if shape else [], inner == shape
+    if not fits:
+        raise ExportError(
+            f"Megatron-Core tensor '{source}' has shape {list(source_shape)}, which has no {cut} part of shape "
+            f"{list(shape)} for '{name}'; check --hf-config"
+        )
+    return _boxes(source, index, shape, blocks)
+
+
+def _attention_tiles(
+    name: str, source: str, source_shape: tuple[int, ...], index: tuple[int, ...], shape: tuple[int, ...], cut: str,
+    rows: dict[str, int],
+) -> tuple[Tile, ...]:
+    """q, k or v of `linear_qkv` (weight or bias) at layer `index`. Its rows come a query group
+    at a time, [the group's q heads ; its k head ; its v head], `head_dim` rows a head: a tile
+    per group."""
+    heads, groups, head_dim = rows["heads"], rows["groups"], rows["head_dim"]
+    per_group = heads // groups
+    block = (per_group + 2) * head_dim
+    inner = source_shape[len(index):]
+    if heads % groups or inner[0] != groups * block or inner[1:] != shape[1:]:
+        raise ExportError(
+            f"Megatron-Core tensor '{source}' has shape {list(source_shape)}, not {groups} query groups of "
+            f"{per_group} q heads, a k and a v head of {head_dim} rows each (the config's sizes); check --hf-config"
+        )
+    start, length = {Q: (0, per_group), K: (per_group, 1), V: (per_group + 1, 1)}[cut]
+    start, length = start * head_dim, length * head_dim
+    if shape[0] != groups * length:
+        raise ExportError(f"'{name}' has {shape[0]} rows, not the {groups * length} that '{source}' holds for it")
+    return _boxes(source, index, shape, [(group * length, group * block + start, length) for group in range(groups)])
+
+
+def _boxes(
+    source: str, index: tuple[int, ...], shape: tuple[int, ...], blocks: list[tuple[int, int, int]]
+) -> tuple[Tile, ...]:
+    """The tiles of a target of `shape` that take, for each (target row, source row, rows) of
+    `blocks`, those rows of `source`'s tensor at layer/expert `index` (a 0-D target: its one
+    element)."""
+    lead = len(index)
+    if not shape:
+        return (Tile(source, (), (), index, ()),)
+    rest = (0,) * (len(shape) - 1)
+    axes = tuple(range(lead, lead + len(shape)))
+    return tuple(
+        Tile(source, (target_row, *rest), (rows, *shape[1:]), (*index, source_row, *rest), axes)
+        for target_row, source_row, rows in blocks
+    )

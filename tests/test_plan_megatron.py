@@ -1,0 +1,205 @@
+"""Megatron-Core's names planned into a model's on-disk tensors, without Ray or Megatron: a
+Megatron state is built here from a Hugging Face state the way Megatron-Core lays its tensors
+out (layers stacked, q/k/v rows a query group at a time, [gate ; up], experts stacked, the
+vocabulary padded), sharded over ranks, and every output tensor assembled from the pieces the
+planning asks for must be the Hugging Face tensor it came from. tests/test_megatron.py checks the
+same rules against mbridge's export of real Megatron-Core checkpoints."""
+
+import pytest
+import torch
+import transformers
+
+from rayexport.common.errors import ExportError
+from rayexport.model.conversion import model_formats
+from rayexport.model.description import build_meta_model, expected_tensors
+from rayexport.plan.formats import ON_DISK
+from rayexport.plan.megatron import megatron_names, megatron_namings
+from rayexport.plan.naming import match_names, plan_holdings
+from rayexport.plan.pieces import holders_from_ranks
+from rayexport.plan.ties import find_tie_aliases
+from rayexport.transport.assembly import assemble, piece_tensor
+from support.models import tiny_format_config
+from support.plan_cases import fsdp2_ranks
+
+WORLD_SIZE = 3  # row shards that cut through layers and experts
+PADDED_VOCAB = 128  # Megatron pads the vocabulary (96 here) to a multiple of its TP size times 128
+
+
+def dense_config(model_type: str, tied: bool, layers: int = 3, groups: int = 2):
+    sizes = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=6,
+                 num_key_value_heads=groups, tie_word_embeddings=tied)
+    if model_type == "qwen2":
+        config = transformers.Qwen2Config(**sizes)
+    elif model_type == "qwen3":
+        config = transformers.Qwen3Config(**sizes, head_dim=12)
+    else:
+        config = transformers.LlamaConfig(**sizes, head_dim=8)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+def hf_state(config, seed=0):
+    """Random on-disk tensors of the config's model (its tied alias left out)."""
+    model = build_meta_model(config, False)
+    disk = model_formats(model, expected_tensors(model), find_tie_aliases(model)).disk
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, (shape, _) in disk.expected.items() if name not in disk.aliases}
+
+
+def megatron_state(hf, config):
+    """`hf` laid out as Megatron-Core saves it (this test's own writing of its layout)."""
+    layers = config.num_hidden_layers
+    heads, groups = config.num_attention_heads, config.num_key_value_heads
+    per_group = heads // groups
+
+    def layer(name):
+        return [hf[name.format(L=index)] for index in range(layers)]
+
+    def stacked(name):
+        return torch.stack(layer(name))
+
+    def qkv(kind):
+        stacked_layers = []
+        for index in range(layers):
+            q, k, v = (hf[f"model.layers.{index}.self_attn.{part}_proj.{kind}"] for part in "qkv")
+            q, k, v = q.chunk(groups), k.chunk(groups), v.chunk(groups)
+            assert q[0].shape[0] == per_group * k[0].shape[0]
+            stacked_layers.append(torch.cat([torch.cat([q[g], k[g], v[g]]) for g in range(groups)]))
+        return torch.stack(stacked_layers)
+
+    def padded(tensor):
+        return torch.cat([tensor, torch.zeros(PADDED_VOCAB - tensor.shape[0], tensor.shape[1])])
+
+    state = {
+        "embedding.word_embeddings.weight": padded(hf["model.embed_tokens.weight"]),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+        "decoder.layers.self_attention.linear_qkv.weight": qkv("weight"),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": stacked("model.layers.{L}.input_layernorm.weight"),
+        "decoder.layers.self_attention.linear_proj.weight": stacked("model.layers.{L}.self_attn.o_proj.weight"),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": stacked("model.layers.{L}.post_attention_layernorm.weight"),
+    }
+    if "lm_head.weight" in hf:
+        state["output_layer.weight"] = padded(hf["lm_head.weight"])
+    if "model.layers.0.self_attn.q_proj.bias" in hf:
+        state["decoder.layers.self_attention.linear_qkv.bias"] = qkv("bias")
+    if "model.layers.0.self_attn.q_norm.weight" in hf:
+        state["decoder.layers.self_attention.q_layernorm.weight"] = stacked("model.layers.{L}.self_attn.q_norm.weight")
+        state["decoder.layers.self_attention.k_layernorm.weight"] = stacked("model.layers.{L}.self_attn.k_norm.weight")
+    if "model.layers.0.mlp.gate_proj.weight" in hf:
+        gates, ups = layer("model.layers.{L}.mlp.gate_proj.weight"), layer("model.layers.{L}.mlp.up_proj.weight")
+        state["decoder.layers.mlp.linear_fc1.weight"] = torch.stack([torch.cat(pair) for pair in zip(gates, ups)])
+        state["decoder.layers.mlp.linear_fc2.weight"] = stacked("model.layers.{L}.mlp.down_proj.weight")
+    else:
+        mixtral = "model.layers.0.block_sparse_moe.gate.weight" in hf
+        moe = "block_sparse_moe" if mixtral else "mlp"
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        experts = config.num_local_experts if mixtral else config.num_experts
+
+        def experts_of(index, part):
+            return [hf[f"model.layers.{index}.{moe}.experts.{expert}.{part}.weight"] for expert in range(experts)]
+
+        state["decoder.layers.mlp.router.weight"] = stacked(f"model.layers.{{L}}.{moe}.gate.weight")
+        state["decoder.layers.mlp.experts.experts.linear_fc1.weight"] = torch.stack([
+            torch.stack([torch.cat(pair) for pair in zip(experts_of(index, gate), experts_of(index, up))])
+            for index in range(layers)
+        ])
+        state["decoder.layers.mlp.experts.experts.linear_fc2.weight"] = torch.stack(
+            [torch.stack(experts_of(index, down)) for index in range(layers)]
+        )
+    return state
+
+
+def formats_of(config, state):
+    model = build_meta_model(config, False)
+    formats = model_formats(model, expected_tensors(model), find_tie_aliases(model))
+    saved = {name: (tuple(tensor.shape), "float32") for name, tensor in state.items()}
+    return formats.with_producers(megatron_namings(saved)(config.to_dict(), formats.disk))
+
+
+def exported(state, formats):
+    """The output tensors, each assembled from the pieces the planning asks of each rank's shard."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    planning = plan_holdings(holders_from_ranks(fsdp2_ranks(shapes, WORLD_SIZE)), formats, ON_DISK, None)
+    shards = {name: tensor.chunk(WORLD_SIZE) for name, tensor in state.items()}
+    tensors = {
+        plan.name: assemble(plan, {piece: piece_tensor(shards[piece.source_key][piece.rank], piece) for piece in plan.pieces})
+        for plan in planning.tensors
+    }
+    return planning, tensors
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False)])
+def test_dense_models_come_back_tensor_for_tensor(model_type, tied):
+    config = dense_config(model_type, tied)
+    hf = hf_state(config)
+    state = megatron_state(hf, config)
+    planning, tensors = exported(state, formats_of(config, state))
+    assert planning.naming == "megatron"
+    assert set(tensors) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
+def test_moe_experts_come_back_from_their_layer_and_expert_index(architecture):
+    config = tiny_format_config(architecture)
+    hf = hf_state(config)
+    state = megatron_state(hf, config)
+    _, tensors = exported(state, formats_of(config, state))
+    assert set(tensors) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
+def test_q_rows_taken_whole_instead_of_per_group_would_not_match():
+    """The check above fails for a converter that splits linear_qkv into [q ; k ; v] blocks."""
+    config = dense_config("llama", False)
+    hf = hf_state(config)
+    state = megatron_state(hf, config)
+    q_rows = hf["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    assert not torch.equal(state["decoder.layers.self_attention.linear_qkv.weight"][0, :q_rows], hf["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_megatron_names_are_recognised_and_hugging_faces_are_not():
+    config = dense_config("llama", False)
+    hf = hf_state(config)
+    assert megatron_names(megatron_state(hf, config)) and not megatron_names(hf)
+
+
+def test_a_config_with_other_heads_than_the_checkpoint_is_one_line():
+    config = dense_config("llama", False)
+    state = megatron_state(hf_state(config), config)
+    other = dense_config("llama", False, groups=3)
+    with pytest.raises(ExportError, match="not 3 query groups of 2 q heads.*check --hf-config"):
+        formats_of(other, state)
+
+
+def test_a_config_with_more_layers_than_the_checkpoint_is_one_line():
+    config = dense_config("qwen2", False)
+    state = megatron_state(hf_state(config), config)
+    other = dense_config("qwen2", False, layers=4)
+    with pytest.raises(ExportError, match="needs layer 3 of Megatron-Core tensor 'decoder.layers.self_attention.linear_qkv.weight', which holds 3"):
+        formats_of(other, state)
+
+
+def test_a_model_type_without_rules_is_refused_by_name():
+    config = tiny_format_config("deepseek_v3")
+    with pytest.raises(ExportError, match="model type 'deepseek_v3' are not mapped.*rayexport maps llama, mistral"):
+        formats_of(config, {"embedding.word_embeddings.weight": torch.zeros(1, 1)})
+
+
+def test_a_missing_megatron_tensor_is_named_before_any_read():
+    config = dense_config("llama", True)
+    state = megatron_state(hf_state(config), config)
+    del state["decoder.layers.mlp.linear_fc2.weight"]
+    with pytest.raises(ExportError, match="no tensor 'decoder.layers.mlp.linear_fc2.weight', which 'model.layers.0.mlp.down_proj.weight' is cut from"):
+        match_names(state, formats_of(config, state))
+
+
+def test_a_saved_head_of_a_tied_model_is_compared_then_dropped():
+    config = dense_config("llama", True)
+    state = megatron_state(hf_state(config), config)
+    state["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
+    planning, tensors = exported(state, formats_of(config, state))
+    assert "lm_head.weight" not in tensors
+    assert planning.tied_key_pairs == [("embedding.word_embeddings.weight", "output_layer.weight")]
