@@ -72,14 +72,16 @@ class DcpCheckpoint(Checkpoint):
         return Loaded(rank_infos, holders, {worker: worker for worker in range(num_workers)})
 
     def _share_files(self, load: LoadStep, file_readers: dict[str, int]) -> Loaded:
-        parts: dict[int, dict[int, str]] = {}
-        rank_of_file = {name: rank for rank, name in enumerate(sorted(file_readers))}
-        for name, worker in file_readers.items():
-            parts.setdefault(worker, {})[rank_of_file[name]] = name
+        # A file holding several chunks of one tensor (Megatron-Core saves a chunk per layer) is
+        # read as several pseudo-ranks, its slots, the k-th holding each tensor's k-th chunk there.
+        chunks = chunks_by_file(self)
+        ranks = [(name, slot) for name in sorted(file_readers) for slot in range(file_slots(chunks.get(name, {})))]
+        parts: dict[int, dict[int, tuple[str, int]]] = {}
+        for rank, (name, slot) in enumerate(ranks):
+            parts.setdefault(file_readers[name], {})[rank] = (name, slot)
         rank_infos = load({worker: FilesPart(files) for worker, files in parts.items()})
-        holders = holders_by_key(rank_infos)
-        worker_of_rank = {rank_of_file[name]: worker for name, worker in file_readers.items()}
-        return Loaded(rank_infos, holders, worker_of_rank)
+        worker_of_rank = {rank: file_readers[name] for rank, (name, _) in enumerate(ranks)}
+        return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
 
     def part_bytes(self, part: "TensorsPart | FilesPart") -> int:
         """The bytes a worker reads for `part`."""
@@ -106,16 +108,16 @@ class TensorsPart:
 
 @dataclass(frozen=True)
 class FilesPart:
-    """Whole `.distcp` files one worker reads on its node (pseudo-rank -> file name): the chunks
-    of the model's tensors each holds."""
+    """Whole `.distcp` files one worker reads on its node: pseudo-rank -> (file name, slot), the
+    slot-th chunk of each of the model's tensors that the file holds."""
 
-    files: dict[int, str]
+    files: dict[int, tuple[str, int]]
 
     def nbytes(self, checkpoint: DcpCheckpoint) -> int:
-        return sum(checkpoint.store.size(name) for name in self.files.values())
+        return sum(checkpoint.store.size(name) for name in {name for name, _ in self.files.values()})
 
     def read(self, checkpoint: DcpCheckpoint, spool_dir: str) -> dict[int, SourceTensors]:
-        return {rank: read_file_chunks(checkpoint, name, spool_dir) for rank, name in self.files.items()}
+        return {rank: read_file_chunks(checkpoint, name, spool_dir, slot) for rank, (name, slot) in self.files.items()}
 
 
 class DcpLayout:
@@ -219,26 +221,44 @@ def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> 
     )
 
 
-def read_file_chunks(checkpoint: DcpCheckpoint, name: str, spool_dir: str) -> SpooledTensors:
-    """The chunks of the model's tensors that the `.distcp` file `name` holds, read into one
-    local spool file as `read_tensors` reads whole tensors, each described with its offset in
-    its tensor: how a checkpoint whose files are spread over nodes is read, on a node that holds
-    `name`, never touching another file."""
-    metadata = _unchanged_metadata(checkpoint, list(checkpoint.tensors))
+Chunks = dict[str, dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]]
+
+
+def chunks_by_file(checkpoint: DcpCheckpoint, metadata: Metadata | None = None) -> Chunks:
+    """Per `.distcp` file, the (offset, sizes) of each chunk of each model tensor (model key) it
+    holds, in the order of their offsets."""
+    metadata = metadata or read_metadata(checkpoint.store, checkpoint.unsafe_pickle)
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    chunks: dict[str, tuple[DcpTensor, tuple[int, ...]]] = {}
+    found: Chunks = {}
     for model_key, tensor in checkpoint.tensors.items():
-        offsets = {
-            tuple(int(at) for at in chunk.offsets): tuple(int(size) for size in chunk.sizes)
-            for chunk in metadata.state_dict_metadata[tensor.key].chunks
-            if getattr(storage.get(MetadataIndex(tensor.key, chunk.offsets)), "relative_path", None) == name
-        }
-        if len(offsets) > 1:
-            raise ExportError(
-                f"DCP file '{checkpoint.store.display(name)}' holds {len(offsets)} chunks of '{tensor.key}'; "
-                "files spread over nodes are read one chunk of each tensor per file"
-            )
-        for offset, sizes in offsets.items():
+        for chunk in metadata.state_dict_metadata[tensor.key].chunks:
+            name = getattr(storage.get(MetadataIndex(tensor.key, chunk.offsets)), "relative_path", None)
+            if name is not None:
+                place = (tuple(int(at) for at in chunk.offsets), tuple(int(size) for size in chunk.sizes))
+                found.setdefault(name, {}).setdefault(model_key, []).append(place)
+    for tensors in found.values():
+        for places in tensors.values():
+            places.sort()
+    return found
+
+
+def file_slots(chunks: dict[str, list]) -> int:
+    """How many pseudo-ranks a file whose chunks are `chunks` is read as: the most chunks it
+    holds of one tensor (at least one)."""
+    return max((len(places) for places in chunks.values()), default=1)
+
+
+def read_file_chunks(checkpoint: DcpCheckpoint, name: str, spool_dir: str, slot: int = 0) -> SpooledTensors:
+    """The `slot`-th chunk of each of the model's tensors that the `.distcp` file `name` holds,
+    read into one local spool file as `read_tensors` reads whole tensors, each described with its
+    offset in its tensor: how a checkpoint whose files are spread over nodes is read, on a node
+    that holds `name`, never touching another file."""
+    metadata = _unchanged_metadata(checkpoint, list(checkpoint.tensors))
+    chunks: dict[str, tuple[DcpTensor, tuple[int, ...]]] = {}
+    for model_key, places in chunks_by_file(checkpoint, metadata).get(name, {}).items():
+        if slot < len(places):
+            offset, sizes = places[slot]
+            tensor = checkpoint.tensors[model_key]
             nbytes = math.prod(sizes) * dtype_of(tensor.dtype).itemsize
             chunks[model_key] = DcpTensor(tensor.key, sizes, tensor.dtype, nbytes), offset
     wanted = [chunk for chunk, _ in chunks.values()]
