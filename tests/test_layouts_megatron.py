@@ -65,6 +65,17 @@ def test_a_release_folder_is_read_where_the_tracker_says_release(tmp_path):
     assert find_checkpoint(Store(str(tmp_path)), "megatron", SourceSettings()).store.uri == str(tmp_path / "release")
 
 
+def test_step_chooses_an_iteration_other_than_the_tracked_one(tmp_path):
+    for iteration in (100, 200):
+        torch_dist(tmp_path / f"iter_{iteration:07d}")
+    folder_with(tmp_path, {"latest_checkpointed_iteration.txt": "200"})
+    store = Store(str(tmp_path))
+    assert find_checkpoint(store, "auto", SourceSettings()).store.uri == str(tmp_path / "iter_0000200")
+    assert find_checkpoint(store, "auto", SourceSettings(step=100)).store.uri == str(tmp_path / "iter_0000100")
+    with pytest.raises(ExportError, match=r"--step names iteration 150, but '.*iter_0000150/' holds no checkpoint \(there: iter_0000100, iter_0000200\)"):
+        find_checkpoint(store, "auto", SourceSettings(step=150))
+
+
 def test_a_tracker_naming_what_is_not_there_is_one_line(tmp_path):
     folder_with(tmp_path, {"latest_checkpointed_iteration.txt": "300"})
     with pytest.raises(ExportError, match=r"names iteration 300, but '.*iter_0000300/' holds no checkpoint"):

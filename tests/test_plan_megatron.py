@@ -203,3 +203,13 @@ def test_a_saved_head_of_a_tied_model_is_compared_then_dropped():
     planning, tensors = exported(state, formats_of(config, state))
     assert "lm_head.weight" not in tensors
     assert planning.tied_key_pairs == [("embedding.word_embeddings.weight", "output_layer.weight")]
+
+
+def test_megatron_names_read_as_plain_dcp_point_at_the_megatron_layout():
+    """`--layout dcp` on a dist_ckpt/ folder: the names are Megatron's, and the line says so."""
+    config = dense_config("llama", False)
+    state = megatron_state(hf_state(config), config)
+    model = build_meta_model(config, False)
+    formats = model_formats(model, expected_tensors(model), find_tie_aliases(model))
+    with pytest.raises(ExportError, match=r"these look like megatron names \(.*\): read them with --layout megatron"):
+        match_names(state, formats)

@@ -88,10 +88,12 @@ class Loaded:
 @dataclass(frozen=True)
 class SourceSettings:
     """The user's say in how a source is read: the stored keys' model prefix (None: detected,
-    where the layout nests state dicts), and whether pickles may run code (trusted input only)."""
+    where the layout nests state dicts), whether pickles may run code (trusted input only), and
+    which of a save folder's iterations to read (None: the newest its trainer recorded)."""
 
     key_prefix: str | None = None
     unsafe_pickle: bool = False
+    step: int | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import HF_DIR, SourceSettings, marker_snapshot
@@ -28,6 +29,9 @@ MEGATRON_METADATA = "metadata.json"  # Megatron's dist_checkpointing config, wri
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's pointer to its newest iteration
 DIST_CKPT = "dist_ckpt"  # verl's folder for the torch_dist files
 RELEASE = "release"
+# Training state Megatron saves beside the model: the optimizer's (the distributed optimizer's
+# under `chained_N.optimizer.`) and the RNG's.
+TRAINING_STATE = re.compile(r"^((chained_\d+\.)?optimizer\.|rng_state)")
 # Files that show a folder is some other layout's, so that detection asks no more of it.
 _OTHER_CHECKPOINT_FILES = (".pt", ".bin", ".safetensors", ".distcp")
 
@@ -47,7 +51,7 @@ class MegatronLayout:
         return store.exists(f"{DIST_CKPT}/{MEGATRON_METADATA}")
 
     def describe(self, store: Store, settings: SourceSettings) -> DcpCheckpoint:
-        folder, hf = checkpoint_folder(store)
+        folder, hf = checkpoint_folder(store, settings.step)
         backend = _backend(folder)
         if backend is None:
             raise ExportError(f"missing '{folder.display(MEGATRON_METADATA)}', the config Megatron-Core's save writes last")
@@ -57,7 +61,9 @@ class MegatronLayout:
                 f"Megatron-Core's torch_dist checkpoints"
             )
         checkpoint = find_dcp_checkpoint(folder, settings.key_prefix or "", unsafe_pickle=settings.unsafe_pickle)
-        saved = {key: (tensor.shape, tensor.dtype) for key, tensor in checkpoint.tensors.items()}
+        state = sorted(key for key in checkpoint.tensors if TRAINING_STATE.match(key))
+        tensors = {key: tensor for key, tensor in checkpoint.tensors.items() if key not in state}
+        saved = {key: (tensor.shape, tensor.dtype) for key, tensor in tensors.items()}
         found = megatron_names(saved)
         if not found:
             raise ExportError(
@@ -66,7 +72,8 @@ class MegatronLayout:
             )
         log.info("Megatron-Core names (%s, ...) in %s: mapped to the model's", found[0], folder.uri)
         return dataclasses.replace(
-            checkpoint, layout=PRODUCER, hf_folder=hf, producer_namings=megatron_namings(saved),
+            checkpoint, layout=PRODUCER, hf_folder=hf, producer_namings=megatron_namings(saved), tensors=tensors,
+            skipped=sorted(checkpoint.skipped + [checkpoint.tensors[key].key for key in state]),
         )
 
     def snapshot(self, store: Store, names: list[str]) -> dict[str, int] | None:
@@ -82,10 +89,13 @@ class MegatronLayout:
         return None if found is None else {f"{below}/{name}" if below else name: size for name, size in found.items()}
 
 
-def checkpoint_folder(store: Store) -> tuple[Store, Store]:
-    """The folder of the torch_dist files that `store` names, and where the Hugging Face config
-    and tokenizer would be beside it (verl's `huggingface/`)."""
+def checkpoint_folder(store: Store, step: int | None = None) -> tuple[Store, Store]:
+    """The folder of the torch_dist files that `store` names (of a Megatron-LM save folder, its
+    iteration `step`, by default the tracked one), and where the Hugging Face config and
+    tokenizer would be beside it (verl's `huggingface/`)."""
     names = store.list()
+    if step is not None:
+        return store.child(_iteration(store, step)), store.child(HF_DIR)
     if MEGATRON_METADATA in names or DCP_METADATA in names:
         parent = store.parent()
         return store, (parent or store).child(HF_DIR)
@@ -106,10 +116,20 @@ def _tracked_iteration(store: Store) -> str:
         return RELEASE
     if not text.isdigit():
         raise ExportError(f"'{store.display(TRACKER)}' holds '{text[:40]}', not an iteration number or '{RELEASE}'")
-    folder = f"iter_{int(text):07d}"
-    if not store.exists(f"{folder}/{MEGATRON_METADATA}"):
-        raise ExportError(f"'{store.display(TRACKER)}' names iteration {int(text)}, but '{store.display(folder)}/' holds no checkpoint")
-    return folder
+    return _iteration(store, int(text), f"'{store.display(TRACKER)}' names")
+
+
+def _iteration(store: Store, step: int, named_by: str = "--step names") -> str:
+    """The folder of iteration `step` in a Megatron-LM save folder, or one line saying it holds
+    no checkpoint and which iterations there are."""
+    folder = f"iter_{step:07d}"
+    if store.exists(f"{folder}/{MEGATRON_METADATA}"):
+        return folder
+    there = [name for name in store.folders() if name.startswith("iter_")]
+    raise ExportError(
+        f"{named_by} iteration {step}, but '{store.display(folder)}/' holds no checkpoint"
+        + (f" (there: {', '.join(there[-3:])})" if there else "")
+    )
 
 
 def _backend(folder: Store) -> str | None:

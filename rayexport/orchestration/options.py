@@ -74,13 +74,16 @@ class ExportOptions:
     src: str = option(help="checkpoint prefix (local path, file://, s3://, any fsspec URI)", group=SOURCE,
                       metavar="URI", required=True)
     dst: str = option(help="where the Hugging Face model is written", group=OUTPUT, metavar="URI", required=True)
-    layout: str = option("auto", "verl rank files, a PyTorch DCP directory (torchtitan's: its names mapped as its "
+    layout: str = option("auto", "a Megatron-Core torch_dist checkpoint (verl's Megatron backend, Megatron-LM), "
+                         "verl rank files, a PyTorch DCP directory (torchtitan's: its names mapped as its "
                          "to_hf does), an accelerate checkpoint folder or torch's sharded HF safetensors "
                          "(auto: from the files present)", group=SOURCE, choices=LAYOUT_NAMES)
     hf_config: str | None = option(help="HF folder with config.json and tokenizer when SRC has no huggingface/",
                                    group=SOURCE, metavar="URI")
     dcp_prefix: str | None = option(help="key prefix of the model in a DCP state dict (default: detected)",
                                     group=SOURCE, metavar="PREFIX", recorded=True)
+    step: int | None = option(help="the iteration of a Megatron-LM save folder to export (default: the one its "
+                              "latest_checkpointed_iteration.txt names)", group=SOURCE, metavar="N", recorded=True)
     storage_options: dict[str, Any] = option(
         help='fsspec/s3fs options for SRC and DST, e.g. \'{"endpoint_url": "http://..."}\'',
         group=SOURCE, metavar="JSON", default_factory=dict,
