@@ -20,7 +20,7 @@ RAY_HEAD = pytest.StashKey()
 # A test that needs any of these (or a fixture that does) is `slow`, which `-m "not slow"` leaves
 # out: the session's Ray, its S3 server and the checkpoints gloo ranks write for the session. A
 # test slow for another reason (a cluster, a virtualenv, a subprocess export) is marked itself.
-SLOW_FIXTURES = frozenset({"ray_address", "s3_endpoint", "verl_checkpoints", "hf_sharded_checkpoints"})
+SLOW_FIXTURES = frozenset({"ray_address", "s3_endpoint", "verl_checkpoints", "hf_sharded_checkpoints", "megatron_checkpoints"})
 
 
 def pytest_collection_modifyitems(config, items):
@@ -216,3 +216,12 @@ def hf_sharded_checkpoints(tmp_path_factory):
 def s3_checkpoints(checkpoints, s3_endpoint):
     """The same checkpoints uploaded to the S3 server."""
     return {name: upload(written.path, f"s3://{BUCKET}/checkpoints/{name}") for name, written in checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
+def megatron_checkpoints(tmp_path_factory):
+    """Real Megatron-Core torch_dist checkpoints, by name (`support.megatron_checkpoints.CASES`),
+    which the Megatron and node-local tests share."""
+    from support.megatron_checkpoints import write_megatron_checkpoints
+
+    return write_megatron_checkpoints(str(tmp_path_factory.mktemp("megatron")))

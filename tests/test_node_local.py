@@ -33,19 +33,28 @@ NODE_A = ["huggingface", "fsdp_config.json", rank_file_name(WORLD, 0), rank_file
 NODE_B = [rank_file_name(WORLD, 2), rank_file_name(WORLD, 3)]
 DCP_A = ["huggingface", ".metadata", "__0_0.distcp", "__1_0.distcp"]
 DCP_B = ["__2_0.distcp", "__3_0.distcp"]
+# A Megatron-LM save of tensor parallel 2 (support/megatron_checkpoints.py): its tracker, config and
+# metadata with TP rank 0's files on node A, TP rank 1's on node B. Each file holds a chunk of
+# every layer of each stacked tensor.
+MEGATRON = "llama-tp2-untied-megatron-lm"
+ITERATION = "iter_0000002"
+MEGATRON_A = ["latest_checkpointed_iteration.txt", *(f"{ITERATION}/{name}" for name in (
+    ".metadata", "metadata.json", "common.pt", "__0_0.distcp", "__0_1.distcp"))]
+MEGATRON_B = [f"{ITERATION}/__1_0.distcp", f"{ITERATION}/__1_1.distcp"]
 
 
 def _copy(source: str, names: list[str], target: str) -> None:
-    os.makedirs(target, exist_ok=True)
     for name in names:
+        os.makedirs(os.path.dirname(os.path.join(target, name)), exist_ok=True)
         copy = shutil.copytree if os.path.isdir(os.path.join(source, name)) else shutil.copy2
         copy(os.path.join(source, name), os.path.join(target, name))
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
+def nodes(tmp_path_factory, megatron_checkpoints):
     """The two-node cluster, and the checkpoints of one model: each whole in one folder both
-    nodes see (`whole`), and split between the nodes' own folders under `view`."""
+    nodes see (`whole`), and split between the nodes' own folders under `view`; a Megatron-LM
+    save split the same way."""
     from support.checkpoints import write_format_checkpoints
 
     root = tmp_path_factory.mktemp("node-local")
@@ -56,6 +65,10 @@ def nodes(tmp_path_factory):
     _copy(whole["verl"], NODE_B, str(disk_b / "verl"))
     _copy(whole["dcp"], DCP_A, str(disk_a / "dcp"))
     _copy(whole["dcp"], DCP_B, str(disk_b / "dcp"))
+    megatron = megatron_checkpoints[MEGATRON]
+    _copy(megatron, MEGATRON_A, str(disk_a / "megatron"))
+    shutil.copytree(os.path.join(megatron, "hf"), disk_a / "megatron" / "huggingface")  # found beside the tracker
+    _copy(megatron, MEGATRON_B, str(disk_b / "megatron"))
     _copy(whole["verl"], NODE_A[:3], str(disk_a / "verl-missing"))  # rank 1 on no node, nor rank 3
     _copy(whole["verl"], NODE_B[:1], str(disk_b / "verl-missing"))
     _copy(whole["verl"], NODE_A + NODE_B[:1], str(disk_a / "verl-differs"))
@@ -65,7 +78,8 @@ def nodes(tmp_path_factory):
     # 4 CPUs a node: two exports of 4 workers (2 on each node) run at once (`runs`).
     cluster = NodeCluster(str(root / "view"), [str(disk_a), str(disk_b)], num_cpus=4).start()
     try:
-        yield {"cluster": cluster, "whole": whole, "view": cluster.view, "disks": (str(disk_a), str(disk_b)), "root": root}
+        yield {"cluster": cluster, "whole": whole, "view": cluster.view, "disks": (str(disk_a), str(disk_b)), "root": root,
+               "megatron": megatron}
     finally:
         cluster.stop()
 
@@ -136,6 +150,8 @@ def runs(nodes):
             cluster, "--src", nodes["whole"]["verl"], "--dst", f"{view}/out", "--workers", "2", "--writers", "2", *SHARDS),
         "split-verl": lambda: run_export(cluster, "--src", f"{view}/verl", "--dst", str(root / "split-verl"), *SHARDS),
         "split-dcp": lambda: run_export_remote(cluster, f"{view}/dcp", str(root / "split-dcp"), SHARD_SIZE),
+        "split-megatron": lambda: run_export(
+            cluster, "--src", f"{view}/megatron", "--dst", str(root / "split-megatron"), "--dtype", "float32"),
         "missing": lambda: run_export(cluster, "--src", f"{view}/verl-missing", "--dst", str(root / "missing")),
         "differs": lambda: run_export(cluster, "--src", f"{view}/verl-differs", "--dst", str(root / "differs")),
     }
@@ -169,6 +185,23 @@ def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_fol
         assert len(reading) == 2, split.stderr[-3000:]
     exported = safetensors_bytes(str(nodes["root"] / f"split-{layout}"))
     assert exported and exported == safetensors_bytes(holding(nodes, "out")[0])
+
+
+def test_a_megatron_save_no_node_holds_whole_exports_what_mbridge_exports(nodes, runs):
+    """Each worker reads its own node's `.distcp` files, every chunk of every layer in them."""
+    from safetensors.torch import load_file
+
+    completed, report, _ = runs["split-megatron"]
+    assert completed.returncode == 0 and report is not None, completed.stderr[-4000:]
+    assert report["layout"] == "megatron" and report["verification"]["level"] == "full"
+    assert len({where["node"] for where in report["placement"].values()}) == 2, report["placement"]
+    exported = {}
+    for name in safetensors_bytes(str(nodes["root"] / "split-megatron")):
+        if name.endswith(".safetensors"):
+            exported.update(load_file(str(nodes["root"] / "split-megatron" / name)))
+    reference = load_file(os.path.join(nodes["megatron"], "reference", "mbridge.safetensors"))
+    assert set(exported) == set(reference)
+    assert all(exported[key].equal(tensor) for key, tensor in reference.items())
 
 
 def test_ranks_on_no_node_are_one_line_before_any_worker_starts(nodes, runs):

@@ -1,4 +1,4 @@
-"""Virtualenvs for the tests that run another package's own code (torchtitan, vLLM), kept under
+"""Virtualenvs for the tests that run another package's own code (torchtitan, vLLM, Megatron-Core), kept under
 a cache folder that test sessions share, so that only the first session pays for the install.
 Each sees the test session's own torch (`share_torch`) instead of installing a second copy."""
 
@@ -12,8 +12,9 @@ from typing import Callable
 
 TORCH = "torch==2.13.0"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Where the tests keep each virtualenv (git ignores both).
+# Where the tests keep each virtualenv (git ignores them).
 TORCHTITAN_CACHE, VLLM_CACHE = os.path.join(REPO, ".venv-torchtitan"), os.path.join(REPO, ".venv-vllm")
+MEGATRON_CACHE = os.path.join(REPO, ".venv-megatron")
 
 
 def cached_virtualenv(cache_dir: str, name: str, install: Callable[[list[str]], None]) -> str:
@@ -52,10 +53,12 @@ def share_torch(python: str) -> None:
 def build_all() -> None:
     """Every virtualenv the tests use: `python tests/support/virtualenvs.py`, which CI starts
     beside the tests so that the builds overlap them (a test needing one waits for its build)."""
+    from support.megatron_env import megatron_python
     from support.torchtitan_env import torchtitan_python
     from support.vllm_env import vllm_python
 
-    print(vllm_python(VLLM_CACHE), torchtitan_python(TORCHTITAN_CACHE), flush=True)
+    # in the order the tests need them
+    print(megatron_python(MEGATRON_CACHE), vllm_python(VLLM_CACHE), torchtitan_python(TORCHTITAN_CACHE), flush=True)
 
 
 if __name__ == "__main__":

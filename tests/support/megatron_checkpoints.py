@@ -1,0 +1,44 @@
+"""The Megatron-Core checkpoints the session's tests share: each written once, by Megatron-Core's
+own code (`megatron_save.py`, run with the Python of `megatron_env.megatron_python`), into a
+folder of its own, with mbridge's export and Megatron's logits beside it (`reference/`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from support.megatron_env import megatron_python
+from support.virtualenvs import MEGATRON_CACHE
+
+SAVE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_save.py")
+
+# name: megatron_save.py's arguments; each a different way Megatron splits, names or stores the model
+CASES = {
+    "llama-tp2-untied-megatron-lm": ["--model", "llama", "--tp", "2", "--untied", "--layout", "megatron-lm"],
+    "qwen2-pp2-tied-bias": ["--model", "qwen2", "--pp", "2", "--tied"],
+    "qwen3-tp2-pp2-bf16": ["--model", "qwen3", "--tp", "2", "--pp", "2", "--untied", "--dtype", "bfloat16"],
+    "qwen3_moe-ep2-sequential": ["--model", "qwen3_moe", "--ep", "2", "--untied"],
+    "qwen3_moe-ep2-grouped-bf16-optimizer": [
+        "--model", "qwen3_moe", "--ep", "2", "--untied", "--experts", "grouped", "--dtype", "bfloat16", "--optimizer",
+        "--layout", "megatron-lm",
+    ],
+    "mixtral-ep2": ["--model", "mixtral", "--ep", "2", "--untied"],
+}
+
+
+def write_megatron_checkpoints(root: str) -> dict[str, str]:
+    """Every case of `CASES` saved under `root`, by name; the folder each was saved in."""
+    python = megatron_python(MEGATRON_CACHE)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    folders = {}
+    for name, arguments in CASES.items():
+        folders[name] = os.path.join(root, name)
+        subprocess.run([python, SAVE_SCRIPT, "--out", folders[name], *arguments], check=True, timeout=600, env=env)
+    return folders
+
+
+def source_of(folder: str) -> tuple[str, list[str]]:
+    """`--src` for a saved case, as its trainer's users point at it, and the options it needs."""
+    if os.path.exists(os.path.join(folder, "latest_checkpointed_iteration.txt")):
+        return folder, ["--hf-config", os.path.join(folder, "hf")]  # Megatron-LM saves no config
+    return os.path.join(folder, "actor"), []

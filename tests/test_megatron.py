@@ -1,0 +1,103 @@
+"""Real Megatron-Core torch_dist checkpoints through the CLI and `export_remote`, as a user
+exports them.
+
+Megatron-Core's own code writes them (tests/support/megatron_save.py, in a virtualenv of its own
+from tests/support/megatron_env.py): its GPTModel on gloo CPU ranks with tensor, pipeline and
+expert parallelism, a few training steps and `dist_checkpointing.save`, laid out as verl's
+Megatron backend or Megatron-LM saves. Beside each it writes mbridge's own Hugging Face export
+of the live model (verl's Megatron<->HF bridge) and Megatron's logits. Every exported tensor must
+equal mbridge's, and the reloaded export compute Megatron's logits."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from rayexport import export_remote
+from support.helpers import download, error_lines, run_main, upload
+from support.megatron_checkpoints import CASES, source_of
+from support.models import PROMPT_IDS
+
+pytestmark = pytest.mark.usefixtures("ray_address")
+
+# megatron_save.py's logits come from a float32 model of the saved weights, as the reload's do.
+LOGITS_ATOL = 1e-5
+
+
+def safetensors_of(folder: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, name)))
+    return tensors
+
+
+def assert_equals_mbridge_and_megatrons_logits(folder: str, out: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reference = load_file(os.path.join(folder, "reference", "mbridge.safetensors"))
+    exported = safetensors_of(out)
+    assert set(exported) == set(reference)  # a tied head: mbridge leaves it out, and so does the export
+    for key, tensor in reference.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROMPT_IDS)).logits
+    expected = load_file(os.path.join(folder, "reference", "logits.safetensors"))["logits"]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_export_equals_mbridges_and_computes_megatrons_logits(megatron_checkpoints, case, tmp_path):
+    folder, out, report_path = megatron_checkpoints[case], str(tmp_path / "out"), tmp_path / "report.json"
+    source, extra = source_of(folder)
+    # float32 saves are published in float32 here to compare bits; bfloat16 ones with --dtype auto
+    if "bfloat16" not in CASES[case]:
+        extra += ["--dtype", "float32"]
+    completed = run_main("--src", source, "--dst", out, "--verify", "full", "--report", str(report_path), *extra)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["layout"] == "megatron" and report["verification"]["level"] == "full"
+    assert any("_extra_state" in key for key in report["skipped"])
+    if "--optimizer" in CASES[case]:  # the distributed optimizer's state
+        assert any(".optimizer.distributed." in key for key in report["skipped"])
+    assert_equals_mbridge_and_megatrons_logits(folder, out)
+
+
+def test_export_remote_from_s3_to_s3(megatron_checkpoints, s3_prefix, tmp_path):
+    """As an RL trainer exports each checkpoint: from inside its Ray program, S3 to S3."""
+    folder = megatron_checkpoints["qwen3_moe-ep2-sequential"]
+    source = upload(os.path.join(folder, "actor"), f"{s3_prefix}/actor")
+    report = ray.get(export_remote(source, f"{s3_prefix}/export", workers=2, dtype="float32"), timeout=600)
+    assert report.verification["passed"]
+    assert_equals_mbridge_and_megatrons_logits(folder, download(f"{s3_prefix}/export", str(tmp_path / "out")))
+
+
+def export_workers_ever_started() -> set[str]:
+    """The ids of every rayexport worker actor this session's Ray has had, ended ones included."""
+    from ray._private import state
+
+    return {actor_id for actor_id, actor in state.actors().items() if actor["ActorClassName"] == "ExportWorker"}
+
+
+def test_a_config_that_does_not_fit_the_saved_shapes_is_refused_before_any_worker_starts(megatron_checkpoints, tmp_path):
+    """The Llama save's linear_qkv holds 2 query groups (2 q heads, a k and a v head each); a
+    config of 1 query group cannot place q, k and v, and says so from `.metadata` alone."""
+    folder = megatron_checkpoints["llama-tp2-untied-megatron-lm"]
+    config = json.loads(open(os.path.join(folder, "hf", "config.json")).read())
+    other = tmp_path / "hf"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(dict(config, num_key_value_heads=1)))
+    before = export_workers_ever_started()
+    completed = run_main("--src", folder, "--dst", str(tmp_path / "out"), "--hf-config", str(other))
+    lines = error_lines(completed)
+    assert completed.returncode == 1 and len(lines) == 1
+    assert "Megatron-Core tensor 'decoder.layers.self_attention.linear_qkv.weight' has shape" in lines[0]
+    assert lines[0].endswith("check --hf-config")
+    assert export_workers_ever_started() == before
+    assert not os.path.exists(tmp_path / "out")
