@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
-from support.helpers import download, error_lines, reload, run_main, upload
+from support.helpers import download, error_lines, exported_tensors, reload, run_main, upload
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
@@ -19,14 +18,6 @@ pytestmark = pytest.mark.usefixtures("ray_address")
 @pytest.fixture(scope="module")
 def saved(hf_sharded_checkpoints):
     return hf_sharded_checkpoints
-
-
-def exported_tensors(folder) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    return tensors
-
 
 def test_a_torchtitan_sharded_folder_exports_what_torch_consolidates(saved, tmp_path):
     checkpoint = saved["titan"]

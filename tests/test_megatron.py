@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from rayexport import export_remote
-from support.helpers import download, error_lines, run_main, upload
+from support.helpers import download, error_lines, exported_tensors, run_main, upload
 from support.megatron_checkpoints import CASES, source_of
 from support.models import PROMPT_IDS
 
@@ -28,20 +28,11 @@ pytestmark = pytest.mark.usefixtures("ray_address")
 # megatron_save.py's logits come from a float32 model of the saved weights, as the reload's do.
 LOGITS_ATOL = 1e-5
 
-
-def safetensors_of(folder: str) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(folder, name)))
-    return tensors
-
-
 def assert_equals_mbridge_and_megatrons_logits(folder: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     reference = load_file(os.path.join(folder, "reference", "mbridge.safetensors"))
-    exported = safetensors_of(out)
+    exported = exported_tensors(out)
     assert set(exported) == set(reference)  # a tied head: mbridge leaves it out, and so does the export
     for key, tensor in reference.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key

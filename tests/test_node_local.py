@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rayexport.layouts.verl import rank_file_name
+from support.helpers import exported_tensors
 from support.node_cluster import NodeCluster, mount_namespaces_refused
 
 REFUSED = mount_namespaces_refused()
@@ -195,10 +196,7 @@ def test_a_megatron_save_no_node_holds_whole_exports_what_mbridge_exports(nodes,
     assert completed.returncode == 0 and report is not None, completed.stderr[-4000:]
     assert report["layout"] == "megatron" and report["verification"]["level"] == "full"
     assert len({where["node"] for where in report["placement"].values()}) == 2, report["placement"]
-    exported = {}
-    for name in safetensors_bytes(str(nodes["root"] / "split-megatron")):
-        if name.endswith(".safetensors"):
-            exported.update(load_file(str(nodes["root"] / "split-megatron" / name)))
+    exported = exported_tensors(str(nodes["root"] / "split-megatron"))
     reference = load_file(os.path.join(nodes["megatron"], "reference", "mbridge.safetensors"))
     assert set(exported) == set(reference)
     assert all(exported[key].equal(tensor) for key, tensor in reference.items())

@@ -12,14 +12,11 @@ import transformers
 from rayexport.common.errors import ExportError
 from rayexport.model.conversion import model_formats
 from rayexport.model.description import build_meta_model, expected_tensors
-from rayexport.plan.formats import ON_DISK
 from rayexport.plan.megatron import megatron_names, megatron_namings
-from rayexport.plan.naming import match_names, plan_holdings
-from rayexport.plan.pieces import holders_from_ranks
+from rayexport.plan.naming import match_names
 from rayexport.plan.ties import find_tie_aliases
-from rayexport.transport.assembly import assemble, piece_tensor
 from support.models import tiny_format_config
-from support.plan_cases import fsdp2_ranks
+from support.plan_cases import assembled
 
 WORLD_SIZE = 3  # row shards that cut through layers and experts
 PADDED_VOCAB = 128  # Megatron pads the vocabulary (96 here) to a multiple of its TP size times 128
@@ -117,15 +114,7 @@ def formats_of(config, state):
 
 
 def exported(state, formats):
-    """The output tensors, each assembled from the pieces the planning asks of each rank's shard."""
-    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
-    planning = plan_holdings(holders_from_ranks(fsdp2_ranks(shapes, WORLD_SIZE)), formats, ON_DISK, None)
-    shards = {name: tensor.chunk(WORLD_SIZE) for name, tensor in state.items()}
-    tensors = {
-        plan.name: assemble(plan, {piece: piece_tensor(shards[piece.source_key][piece.rank], piece) for piece in plan.pieces})
-        for plan in planning.tensors
-    }
-    return planning, tensors
+    return assembled(state, formats, WORLD_SIZE)
 
 
 @pytest.mark.parametrize("model_type,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False)])

@@ -15,13 +15,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.registry import find_checkpoint
 from rayexport.storage.store import Store
-from support.helpers import BUCKET, download, error_lines, reload, run_main, upload
+from support.helpers import BUCKET, download, error_lines, exported_tensors, reload, run_main, upload
 from support.producer_checkpoints import NEMO_RL_MODEL_NAME, PRODUCERS, write_producer_checkpoints
 
 
@@ -132,16 +131,6 @@ def on_s3(written, s3_endpoint):
             "hf": upload(checkpoint.config_dir, f"{root}/{name}-hf"),
         }
     return uploaded
-
-
-def exported_tensors(folder: str) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for name in os.listdir(folder):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, name), framework="pt") as handle:
-                tensors.update((key, handle.get_tensor(key)) for key in handle.keys())
-    return tensors
-
 
 @pytest.mark.parametrize("name", ["openrlhf", "nemo-rl"])
 def test_export_through_the_cli_matches_the_original(written, on_s3, ray_address, s3_prefix, tmp_path, name):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from support.helpers import error_lines, run_main
+from support.helpers import error_lines, exported_tensors, run_main
 from support.models import PROMPT_IDS
 from support.torchtitan_env import torchtitan_python
 from support.virtualenvs import TORCHTITAN_CACHE
@@ -51,15 +51,6 @@ def saved(tmp_path_factory):
         )
     return folders
 
-
-def safetensors_of(folder: str) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(folder, name)))
-    return tensors
-
-
 def float32_logits(folder: str) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +77,7 @@ def test_an_export_equals_torchtitans_own_to_hf_and_computes_its_logits(saved, c
     )
 
     reference = load_file(os.path.join(folder, "reference", "to_hf.safetensors"))
-    exported = safetensors_of(out)
+    exported = exported_tensors(out)
     assert set(exported) == set(reference)  # a tied head: dropped by to_hf, and not written
     for key, tensor in reference.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key

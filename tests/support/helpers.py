@@ -69,6 +69,17 @@ def run_main(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
+def exported_tensors(folder) -> dict:
+    """Every tensor of the safetensors files in an export folder, by name."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, name)))
+    return tensors
+
+
 def reload(path: str) -> dict:
     """Reload an export with transformers in this process; return its logits on the demo
     prompt (as a tensor), their dtype, and whether the head shares the embedding's memory."""

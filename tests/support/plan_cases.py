@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from rayexport.plan.formats import IN_MEMORY, ModelFormats, Naming
+from rayexport.plan.formats import IN_MEMORY, ON_DISK, ModelFormats, Naming
 from rayexport.plan.naming import plan_holdings
 from rayexport.plan.pieces import holders_from_ranks
 from rayexport.plan.shards import ShardInfo
@@ -64,3 +64,19 @@ def expected_of(shapes, dtypes=None):
 def piece_region(tensor, piece):
     """The part of a full tensor that `piece` covers (its offset and shape)."""
     return tensor[tuple(slice(start, start + length) for start, length in zip(piece.offset, piece.shape))]
+
+
+def assembled(state, formats, world_size, output_format=ON_DISK):
+    """The planning of `state` (source tensors by name, row-sharded over `world_size` FSDP2
+    ranks) and each output tensor assembled from the pieces it asks of each rank's shard, as
+    the workers would send them."""
+    from rayexport.transport.assembly import assemble, piece_tensor
+
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    planning = plan_holdings(holders_from_ranks(fsdp2_ranks(shapes, world_size)), formats, output_format, None)
+    shards = {name: tensor.chunk(world_size) for name, tensor in state.items()}
+    tensors = {
+        plan.name: assemble(plan, {piece: piece_tensor(shards[piece.source_key][piece.rank], piece) for piece in plan.pieces})
+        for plan in planning.tensors
+    }
+    return planning, tensors
