@@ -98,14 +98,15 @@ RANK_TIMEOUT_S = 120
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The tiny model's sizes (GQA, head_dim given explicitly)."""
+    """The tiny model's sizes (GQA, head_dim given explicitly: 32, the smallest vLLM's CPU
+    attention runs, so that an export can be served)."""
 
     vocab: int = 320
     hidden: int = 64
     layers: int = 4
     heads: int = 4
     kv_heads: int = 2
-    head_dim: int = 16
+    head_dim: int = 32
     ffn: int = 128
     experts: int = 4
     top_k: int = 2
