@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from rayexport.common.errors import ExportError
-from rayexport.model.description import ModelClass, build_meta_model, exported_config, hf_file_names, hf_folder, model_class
+from rayexport.model.description import (
+    ModelClass,
+    build_meta_model,
+    exported_config,
+    hf_file_names,
+    hf_folder,
+    kept_in_float32,
+    model_class,
+)
 from rayexport.storage.store import Store
 from support.helpers import folder_with
 from support.models import remote_code_config, tiny_config, tiny_format_config
@@ -157,3 +165,10 @@ def test_a_folder_described_before_is_described_again_from_memory_until_a_file_c
     changed = model.describe_model(Store(str(folder)), None, False)
     assert len(builds) == 2 and changed.carried["tokenizer_config.json"] == b'{"model_max_length": 17}'
     assert changed.formats == first.formats
+
+
+def test_deepseek_v3s_router_is_what_transformers_loads_in_float32():
+    model = build_meta_model(tiny_format_config("deepseek_v3"), False)  # its layer 1 is the MoE one
+    router = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    assert kept_in_float32(model, set(model.state_dict())) == {"bfloat16": router, "float16": router}
+    assert kept_in_float32(build_meta_model(tiny_config(), False), set()) == {}

@@ -204,6 +204,17 @@ def test_plan_tensors_output_dtypes():
 # --- output_dtype ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("saved,written", [("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_a_tensor_the_model_loads_in_float32_is_not_narrowed(saved, written):
+    """DeepSeek-V3's router: transformers loads it in float32 whatever the checkpoint's dtype, so a
+    float32 one stays float32 in a bfloat16 export (and a bfloat16 one is not widened)."""
+    shapes, dtypes = {EMBED: (10, 4), NORM: (4,)}, {EMBED: "float32", NORM: saved}
+    planning = plan_tensors(fsdp2_ranks(shapes, 2, dtypes), expected_of(shapes, dtypes), {}, "bfloat16",
+                            float32_names=frozenset({NORM}))
+    assert {plan.name: plan.dtype for plan in planning.tensors} == {EMBED: "bfloat16", NORM: written}
+    assert planning.kept_float32 == ({NORM} if saved == "float32" else set())
+
+
 @pytest.mark.parametrize("source", ["int64", "int32", "int8", "uint8", "bool"])
 @pytest.mark.parametrize("requested", [None, "bfloat16", "float32"])
 def test_output_dtype_never_casts_integers_or_bools(source, requested):

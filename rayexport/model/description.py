@@ -8,7 +8,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -128,6 +128,25 @@ def expected_tensors(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...],
     }
 
 
+def kept_in_float32(model: torch.nn.Module, names: set[str]) -> dict[str, frozenset[str]]:
+    """Those of `names` (the model's, in memory and on disk) that transformers loads in float32
+    whatever the checkpoint's dtype, by
+    the dtype the rest is loaded in: the class's `_keep_in_fp32_modules_strict` in bfloat16 and
+    float16, and its `_keep_in_fp32_modules` in float16 too (patterns matched as transformers
+    matches them: searched for, `*` any run of characters)."""
+    strict = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    loose = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+
+    def matching(patterns: set[str]) -> frozenset[str]:
+        if not patterns:
+            return frozenset()
+        found = re.compile("|".join(f"(?:{pattern.replace('*', '.*')})" for pattern in sorted(patterns)))
+        return frozenset(name for name in names if found.search(name))
+
+    kept = {"bfloat16": matching(strict), "float16": matching(strict | loose)}
+    return {dtype: names for dtype, names in kept.items() if names}
+
+
 def saved_config(config, raw_config: dict) -> dict:
     """config.json as `save_pretrained` writes it (transformers' own serialisation of the
     config: nested sub-configs, its version), keeping the checkpoint's `auto_map`."""
@@ -167,6 +186,8 @@ class ModelDescription:
     config_dtype: str | None  # the dtype the config declares
     formats: ModelFormats  # names, shapes and ties, in memory and on disk
     fan_in_fan_out: frozenset[str]  # weights stored transposed (Conv1D), for LoRA merges
+    # by the dtype weights are written in, the tensors the model's class loads in float32 anyway
+    float32_names: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 # Descriptions already derived in this process, by `_folder_key`: an export of a later
@@ -205,12 +226,14 @@ def describe_model(hf_store: Store, base_model: Store | None, trust_remote_code:
             if not os.path.exists(os.path.join(local, name)):
                 raise ExportError(f"config.json's auto_map needs {name}, which is neither in '{hf_store.uri}' nor bundled")
         carried = _folder_files(local)
+    formats = model_formats(meta_model, expected_tensors(meta_model), find_tie_aliases(meta_model))
     description = ModelDescription(
         carried=carried,
         config=saved_config(config, raw_config),
         config_dtype=config_dtype(config),
-        formats=model_formats(meta_model, expected_tensors(meta_model), find_tie_aliases(meta_model)),
+        formats=formats,
         fan_in_fan_out=fan_in_fan_out_weights(meta_model),
+        float32_names=kept_in_float32(meta_model, set(formats.memory.expected) | set(formats.disk.expected)),
     )
     if len(_DESCRIBED) >= _DESCRIBED_LIMIT:
         _DESCRIBED.pop(next(iter(_DESCRIBED)))
@@ -301,7 +324,10 @@ def _named_base_model(folder: Store) -> str:
 
 def generated_files(config: dict, planning: TensorPlanning, untie: bool, base_model: str | None) -> dict[str, bytes]:
     """Files the export writes from what it learnt: config.json (and adapter_config.json)."""
-    floating = sorted({plan.dtype for plan in planning.tensors if dtype_of(plan.dtype).is_floating_point})
+    floating = sorted({
+        plan.dtype for plan in planning.tensors
+        if dtype_of(plan.dtype).is_floating_point and plan.name not in planning.kept_float32
+    })
     config = exported_config(config, floating[0] if len(floating) == 1 else None, untie)
     files = {"config.json": _json_bytes(config)}
     if planning.adapters:

@@ -147,9 +147,15 @@ def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, 
     log.info("writing %s tensors: %s", dtype, dtype_reason)
 
     def plan_tensors(untied: frozenset[str]) -> TensorPlanning:
-        return plan_holdings(source.loaded.holders, model.formats, options.format, dtype, lora, source.base_infos, untied)
+        return plan_holdings(
+            source.loaded.holders, model.formats, options.format, dtype, lora, source.base_infos, untied,
+            model.float32_names.get(dtype, frozenset()),
+        )
 
     planning, untied = _plan_ties(plan_tensors, group, options.untie)
+    if planning.kept_float32:
+        log.info("keeping %d tensor(s) in float32, as the model's class loads them (%s, ...)",
+                 len(planning.kept_float32), min(planning.kept_float32))
     converted = model.formats.tiles(planning.naming, planning.format) is not None
     if converted:
         log.info("converting the checkpoint's %s names to the %s format", planning.naming, planning.format)

@@ -83,6 +83,7 @@ class TensorPlanning:
     lora_targets: list[LoraTarget] = field(default_factory=list)
     naming: str = IN_MEMORY
     format: str = IN_MEMORY
+    kept_float32: frozenset[str] = frozenset()  # written in float32 whatever `dtype`: see plan_holdings
 
 
 def plan_holdings(
@@ -93,6 +94,7 @@ def plan_holdings(
     lora: LoraRequest | None = None,
     base_model: dict[str, ShardInfo] | None = None,
     untied: frozenset[str] = frozenset(),
+    float32_names: frozenset[str] = frozenset(),
 ) -> TensorPlanning:
     """Match the checkpoint's keys to the model's names and plan how each output tensor is
     assembled.
@@ -105,7 +107,10 @@ def plan_holdings(
     base model's, and LoRA adapters merged or planned as adapter tensors per `lora`.
     `base_model` describes the tensors of a base model folder, used for names the checkpoint
     lacks (LoRA-only checkpoints); the exporter reads those itself as `BASE_MODEL_RANK`.
-    Floating tensors are written in `dtype` (None: each in its own).
+    Floating tensors are written in `dtype` (None: each in its own), except that those of
+    `float32_names` saved in float32 stay float32: the tensors the model's class loads in float32
+    whatever the checkpoint's dtype (DeepSeek-V3's router), so that narrowing them would only lose
+    the bits the reload then computes with.
     """
     lora = lora or LoraRequest()
     match = match_names(holders, formats, base_model, untied)
@@ -132,9 +137,13 @@ def plan_holdings(
         [plans[name] for name in match.wanted], formats.tiles(match.naming, output_format),
         formats.naming(output_format), match.naming, output_format,
     )
+    kept = frozenset(
+        plan.name for plan in tensors if plan.name in float32_names and plan.source_dtype == "float32" != plan.dtype
+    )
+    tensors = [replace(plan, dtype="float32") if plan.name in kept else plan for plan in tensors]
     return TensorPlanning(
         tensors=tensors, adapters=adapters, resolution=match.resolution, tied_key_pairs=tied_key_pairs,
-        lora=settings, lora_targets=targets, naming=match.naming, format=output_format,
+        lora=settings, lora_targets=targets, naming=match.naming, format=output_format, kept_float32=kept,
     )
 
 
