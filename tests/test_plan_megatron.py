@@ -140,6 +140,23 @@ def test_moe_experts_come_back_from_their_layer_and_expert_index(architecture):
         assert torch.equal(tensors[name], tensor), name
 
 
+def test_layers_saved_apart_are_found_by_their_layer_number():
+    """Where a model's layers differ (DeepSeek-V3's dense then MoE ones), Megatron-Core saves
+    each layer's tensors apart, as `decoder.layers.<L>.X` with no layer axis."""
+    config = tiny_format_config("qwen3_moe")
+    hf = hf_state(config)
+    apart = {}
+    for key, tensor in megatron_state(hf, config).items():
+        if key.startswith("decoder.layers."):
+            apart.update({f"decoder.layers.{index}.{key.removeprefix('decoder.layers.')}": layer for index, layer in enumerate(tensor)})
+        else:
+            apart[key] = tensor
+    _, tensors = exported(apart, formats_of(config, apart))
+    assert set(tensors) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
 def test_q_rows_taken_whole_instead_of_per_group_would_not_match():
     """The check above fails for a converter that splits linear_qkv into [q ; k ; v] blocks."""
     config = dense_config("llama", False)
@@ -172,8 +189,8 @@ def test_a_config_with_more_layers_than_the_checkpoint_is_one_line():
 
 
 def test_a_model_type_without_rules_is_refused_by_name():
-    config = tiny_format_config("deepseek_v3")
-    with pytest.raises(ExportError, match="model type 'deepseek_v3' are not mapped.*rayexport maps llama, mistral"):
+    config = tiny_format_config("qwen2_vl")
+    with pytest.raises(ExportError, match="model type 'qwen2_vl' are not mapped.*rayexport maps llama, mistral"):
         formats_of(config, {"embedding.word_embeddings.weight": torch.zeros(1, 1)})
 
 

@@ -8,8 +8,11 @@ is (layers, experts, 2 * ffn, hidden)), and fuses projections: `linear_qkv` rows
 group at a time, [the group's q heads, its k head, its v head], and `linear_fc1` rows are
 [gate ; up] in the saved tensor (each tensor-parallel rank saves its two halves as two chunks).
 Norms are saved under TransformerEngine's fused names even by the local layer spec
-(`linear_qkv.layer_norm_weight`), or apart (`input_layernorm.weight`). So each Hugging Face
-tensor is a box of one saved tensor: a layer (and expert) index, a block of rows.
+(`linear_qkv.layer_norm_weight`), or apart (`input_layernorm.weight`). Where the layers differ
+(DeepSeek-V3's dense, then MoE ones) each is saved apart, `decoder.layers.<L>.X`, with no layer
+axis. Multi-latent attention's projections (DeepSeek-V3) are saved unfused, one tensor each.
+So each Hugging Face tensor is a box of one saved tensor: a layer (and expert) index, a block of
+rows.
 
 The rules are written out here rather than by calling Megatron's or mbridge's conversions: those
 import Megatron-Core, which needs a torch of its own and builds the whole model. tests/test_megatron.py
@@ -27,6 +30,7 @@ from rayexport.plan.tiles import Tile
 
 PRODUCER = "megatron"
 Saved = dict[str, tuple[tuple[int, ...], str]]  # each saved tensor's global shape and dtype
+Index = tuple[tuple[str, int], ...]  # a position on a saved tensor's leading axes: ("L", layer), ("E", expert)
 
 # How an on-disk tensor is cut from its saved tensor: all of it (after the layer/expert index),
 # the vocabulary's rows (Megatron pads the vocabulary), a query group's q, k or v rows, the gate
@@ -34,8 +38,10 @@ Saved = dict[str, tuple[tuple[int, ...], str]]  # each saved tensor's global sha
 WHOLE, VOCAB, Q, K, V, GATE, UP = "whole", "vocab", "q", "k", "v", "gate", "up"
 
 _LAYERS = "decoder.layers."
-_QKV = _LAYERS + "self_attention.linear_qkv."
+_ATTENTION = _LAYERS + "self_attention."
+_QKV = _ATTENTION + "linear_qkv."
 _EXPERTS = _LAYERS + "mlp.experts.experts."
+_SHARED = _LAYERS + "mlp.shared_experts."
 # (on-disk name, Megatron names it may be saved under, the cut); {L} is a layer, {E} an expert.
 _RULES = (
     ("model.embed_tokens.weight", ("embedding.word_embeddings.weight",), VOCAB),
@@ -65,13 +71,29 @@ _RULES = (
     ("model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight", (_EXPERTS + "linear_fc1.weight",), GATE),
     ("model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight", (_EXPERTS + "linear_fc1.weight",), UP),
     ("model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight", (_EXPERTS + "linear_fc2.weight",), WHOLE),
+    # DeepSeek-V3: multi-latent attention (q and kv each through a latent of their own, its norm
+    # saved apart by the local spec or fused into the up projection by TE's), a shared expert and
+    # the router's score-correction bias
+    ("model.layers.{L}.self_attn.q_proj.weight", (_ATTENTION + "linear_q_proj.weight",), WHOLE),  # no q latent
+    ("model.layers.{L}.self_attn.q_a_proj.weight", (_ATTENTION + "linear_q_down_proj.weight",), WHOLE),
+    ("model.layers.{L}.self_attn.q_a_layernorm.weight",
+     (_ATTENTION + "linear_q_up_proj.layer_norm_weight", _ATTENTION + "q_layernorm.weight"), WHOLE),
+    ("model.layers.{L}.self_attn.q_b_proj.weight", (_ATTENTION + "linear_q_up_proj.weight",), WHOLE),
+    ("model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight", (_ATTENTION + "linear_kv_down_proj.weight",), WHOLE),
+    ("model.layers.{L}.self_attn.kv_a_layernorm.weight",
+     (_ATTENTION + "linear_kv_up_proj.layer_norm_weight", _ATTENTION + "kv_layernorm.weight"), WHOLE),
+    ("model.layers.{L}.self_attn.kv_b_proj.weight", (_ATTENTION + "linear_kv_up_proj.weight",), WHOLE),
+    ("model.layers.{L}.mlp.gate.e_score_correction_bias", (_LAYERS + "mlp.router.expert_bias",), WHOLE),
+    ("model.layers.{L}.mlp.shared_experts.gate_proj.weight", (_SHARED + "linear_fc1.weight",), GATE),
+    ("model.layers.{L}.mlp.shared_experts.up_proj.weight", (_SHARED + "linear_fc1.weight",), UP),
+    ("model.layers.{L}.mlp.shared_experts.down_proj.weight", (_SHARED + "linear_fc2.weight",), WHOLE),
 )
 _PATTERNS = tuple(
     (re.compile("^" + re.escape(disk).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)") + "$"), saved, cut)
     for disk, saved, cut in _RULES
 )
 # The Hugging Face model types whose every tensor the rules above name.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
 # Names only Megatron-Core gives, to recognise its checkpoints by.
 _SIGNATURES = re.compile(r"^(embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.(layers|final_layernorm)\..*)$")
 
@@ -118,18 +140,28 @@ def megatron_naming(config: dict, disk: Naming, saved: Saved) -> ProducerNaming:
     return ProducerNaming(Naming(expected, aliases), tiles)
 
 
-def _source_of(name: str, saved: Saved, aliases: dict[str, str]) -> tuple[str, tuple[int, ...], str]:
-    """The saved tensor that on-disk tensor `name` is cut from, the layer (and expert) index it
-    is at, and the cut; of a name's possible saved names, the one the checkpoint holds."""
+def _source_of(name: str, saved: Saved, aliases: dict[str, str]) -> tuple[str, Index, str]:
+    """The saved tensor that on-disk tensor `name` is cut from, where in it (a layer and an expert
+    index on its leading axes), and the cut; of the saved names that can hold it, the one the
+    checkpoint has. A layer's tensors are stacked on a leading axis (`decoder.layers.X`) unless
+    its layers differ (dense and MoE ones, as DeepSeek-V3's): then each layer's are saved apart,
+    as `decoder.layers.<L>.X`."""
+    candidates = []
     for pattern, sources, cut in _PATTERNS:
         found = pattern.match(name)
-        if found:
-            index = tuple(int(value) for value in found.groups())
-            source = next((source for source in sources if source in saved), sources[0])
-            if source not in saved and name not in aliases:
-                raise ExportError(f"the Megatron-Core checkpoint has no tensor '{source}', which '{name}' is cut from")
-            return source, index, cut
-    raise ExportError(f"tensor '{name}' of the config's model has no Megatron-Core name rayexport knows")
+        if not found:
+            continue
+        index = tuple((axis, int(position)) for axis, position in found.groupdict().items() if position is not None)
+        for source in sources:
+            candidates.append((source, index, cut))
+            if index and index[0][0] == "L" and source.startswith(_LAYERS):
+                candidates.append((f"{_LAYERS}{index[0][1]}.{source[len(_LAYERS):]}", index[1:], cut))
+    if not candidates:
+        raise ExportError(f"tensor '{name}' of the config's model has no Megatron-Core name rayexport knows")
+    held = next((candidate for candidate in candidates if candidate[0] in saved), None)
+    if held is None and name not in aliases:
+        raise ExportError(f"the Megatron-Core checkpoint has no tensor '{candidates[0][0]}', which '{name}' is cut from")
+    return held or candidates[0]
 
 
 def _attention_rows(config: dict) -> dict[str, int]:
@@ -141,21 +173,22 @@ def _attention_rows(config: dict) -> dict[str, int]:
 
 
 def _cut(
-    name: str, source: str, source_shape: tuple[int, ...], index: tuple[int, ...], shape: tuple[int, ...], cut: str,
+    name: str, source: str, source_shape: tuple[int, ...], index: Index, shape: tuple[int, ...], cut: str,
     rows: dict[str, int],
 ) -> tuple[Tile, ...]:
     """On-disk tensor `name` (of `shape`) as the tiles of saved tensor `source` that `cut` takes
     at layer/expert `index`, after checking that the saved sizes agree with the config's."""
-    for axis, (position, limit) in enumerate(zip(index, source_shape)):
+    for (axis, position), limit in zip(index, source_shape):
         if position >= limit:
-            what = "layer" if axis == 0 else "expert"
+            what = {"L": "layer", "E": "expert"}[axis]
             raise ExportError(
                 f"'{name}' needs {what} {position} of Megatron-Core tensor '{source}', which holds {limit} "
                 f"(shape {list(source_shape)}); check --hf-config"
             )
     inner = source_shape[len(index):]
+    positions = tuple(position for _, position in index)
     if cut in (Q, K, V):
-        return _attention_tiles(name, source, source_shape, index, shape, cut, rows)
+        return _attention_tiles(name, source, source_shape, positions, shape, cut, rows)
     if cut == VOCAB:  # rows past the vocabulary are Megatron's padding, dropped
         blocks, fits = [(0, 0, shape[0])], inner[1:] == shape[1:] and inner[0] >= shape[0]
     elif cut in (GATE, UP):
@@ -168,7 +201,7 @@ def _cut(
             f"Megatron-Core tensor '{source}' has shape {list(source_shape)}, which has no {cut} part of shape "
             f"{list(shape)} for '{name}'; check --hf-config"
         )
-    return _boxes(source, index, shape, blocks)
+    return _boxes(source, positions, shape, blocks)
 
 
 def _attention_tiles(
