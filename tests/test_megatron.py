@@ -57,6 +57,9 @@ def test_an_export_equals_mbridges_and_computes_megatrons_logits(megatron_checkp
     assert any("_extra_state" in key for key in report["skipped"])
     if "--optimizer" in CASES[case]:  # the distributed optimizer's state
         assert any(".optimizer.distributed." in key for key in report["skipped"])
+    # DeepSeek-V3's float32 expert bias stays float32 (as mbridge's is), and the config says bfloat16
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["dtype"]
+    assert written == ("bfloat16" if "bfloat16" in CASES[case] else "float32")
     assert_equals_mbridge_and_megatrons_logits(folder, out)
 
 

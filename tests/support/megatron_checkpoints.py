@@ -4,6 +4,7 @@ folder of its own, with mbridge's export and Megatron's logits beside it (`refer
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -23,17 +24,21 @@ CASES = {
         "--layout", "megatron-lm",
     ],
     "mixtral-ep2": ["--model", "mixtral", "--ep", "2", "--untied"],
+    # multi-latent attention, a dense layer then MoE ones (each layer saved apart), shared experts
+    "deepseek_v3-pp2-ep2-bf16": ["--model", "deepseek_v3", "--pp", "2", "--ep", "2", "--untied", "--dtype", "bfloat16"],
 }
 
 
 def write_megatron_checkpoints(root: str) -> dict[str, str]:
-    """Every case of `CASES` saved under `root`, by name; the folder each was saved in."""
+    """Every case of `CASES` saved under `root`, by name, by one Megatron process; the folder
+    each was saved in."""
     python = megatron_python(MEGATRON_CACHE)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    folders = {}
-    for name, arguments in CASES.items():
-        folders[name] = os.path.join(root, name)
-        subprocess.run([python, SAVE_SCRIPT, "--out", folders[name], *arguments], check=True, timeout=600, env=env)
+    folders = {name: os.path.join(root, name) for name in CASES}
+    batch = os.path.join(root, "cases.json")
+    with open(batch, "w") as f:
+        json.dump([["--out", folders[name], *arguments] for name, arguments in CASES.items()], f)
+    subprocess.run([python, SAVE_SCRIPT, "--batch", batch], check=True, timeout=1200, env=env)
     return folders
 
 

@@ -4,10 +4,11 @@ Hugging Face export of it.
 Run with a Python that `megatron_env.megatron_python` made (Megatron-Core 0.16.1, mbridge 0.15.1,
 on CPU), not the project's:
 
-    python megatron_save.py --out DIR --model llama|qwen2|qwen3|qwen3_moe|mixtral
+    python megatron_save.py --out DIR --model llama|qwen2|qwen3|qwen3_moe|mixtral|deepseek_v3
         [--tp N] [--pp N] [--ep N] --tied|--untied [--dtype float32|bfloat16]
         [--experts sequential|grouped] [--layout verl|megatron-lm]
         [--optimizer [dp_reshardable|fully_reshardable]] [--steps N]
+    python megatron_save.py --batch FILE   # FILE: a JSON list of such argument lists
 
 It runs tp * pp * ep gloo ranks (at most 4): Megatron draws expert parallelism from data
 parallelism, so `--ep N` also makes N data-parallel replicas of the dense weights. `--pp` divides
@@ -41,7 +42,9 @@ Megatron on CPU needs a few stand-ins, in this writer only (`install_cpu_stand_i
 on "cuda", the MoE all-to-all dispatcher's device-to-host stream, `grouped_gemm.ops.gmm` for the
 legacy GroupedMLP (a per-expert matmul loop), and `te_general_gemm`, which moe_utils 0.16.1 names
 without defining when TransformerEngine is absent. Forward passes get an explicit causal mask
-(Megatron's default one is built on CUDA).
+(Megatron's default one is built on CUDA). DeepSeek-V3's multi-latent attention takes three more
+(`MLACoreAttention`, `use_current_mla_field_names`, and the MLA module's TransformerEngine test),
+and one setting (`mtp_num_layers=None`, in `cpu_overrides`), each where it is made.
 
 It also writes what an export must reproduce, from rank 0:
 - `DIR/reference/mbridge.safetensors`: mbridge's `export_weights` of the trained model (it gathers
@@ -120,7 +123,9 @@ HF_NAMES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
+MOE_MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
 def hf_config(name: str, shape: Shape, tied: bool, dtype: str) -> dict:
@@ -140,6 +145,8 @@ def hf_config(name: str, shape: Shape, tied: bool, dtype: str) -> dict:
         return dict(config, rope_theta=1000000.0, rms_norm_eps=1e-5, intermediate_size=shape.moe_ffn,
                     num_local_experts=shape.experts, num_experts_per_tok=shape.top_k, router_aux_loss_coef=0.0,
                     sliding_window=None)
+    if name == "deepseek_v3":
+        return deepseek_v3_config(config, shape)
     qwen = dict(config, rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=None)
     if name == "qwen2":
         return dict(qwen, attention_bias=True)
@@ -150,6 +157,20 @@ def hf_config(name: str, shape: Shape, tied: bool, dtype: str) -> dict:
         num_experts_per_tok=shape.top_k, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         router_aux_loss_coef=0.0,
     )
+
+
+def deepseek_v3_config(config: dict, shape: Shape) -> dict:
+    """DeepSeek-V3's fields on the tiny sizes: multi-latent attention (q and kv compressed, a
+    rope part of 16 per head), one dense layer then MoE layers with a shared expert, sigmoid
+    routing with a score-correction bias. One expert group (mbridge passes Megatron no group-limited
+    routing) and no multi-token prediction layer (transformers' model has none)."""
+    fields = dict(config, num_key_value_heads=shape.heads, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+                  moe_intermediate_size=shape.moe_ffn, first_k_dense_replace=1, n_routed_experts=shape.experts,
+                  n_shared_experts=1, num_experts_per_tok=shape.top_k, n_group=1, topk_group=1, norm_topk_prob=True,
+                  routed_scaling_factor=2.5, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                  v_head_dim=32, rope_interleave=True, attention_bias=False, num_mtp_layers=0, rope_scaling=None,
+                  topk_method="noaux_tc", scoring_func="sigmoid", aux_loss_alpha=0.0)
+    return fields
 
 
 def cpu_overrides(args: argparse.Namespace) -> dict:
@@ -165,7 +186,7 @@ def cpu_overrides(args: argparse.Namespace) -> dict:
         bias_activation_fusion=False, bias_dropout_fusion=False,
         moe_shared_expert_overlap=False,  # CUDA streams
     )
-    if args.model in ("qwen3_moe", "mixtral"):
+    if args.model in MOE_MODELS:
         overrides["moe_grouped_gemm"] = args.experts == "grouped"
         overrides["moe_router_dtype"] = "fp32"
     if args.model == "mixtral":
@@ -173,6 +194,16 @@ def cpu_overrides(args: argparse.Namespace) -> dict:
         # renormalising the k weights; Hugging Face's Mixtral renormalises them, which is
         # Megatron's top-k-then-softmax. This keeps the references reproducible by HF's model.
         overrides["moe_router_pre_softmax"] = False
+    if args.model == "deepseek_v3":
+        # mbridge asks for the fused attention backend (TransformerEngine's); the local spec's
+        # attention is Megatron's own, unfused, which computes the same softmax(QK^T)V.
+        from megatron.core.transformer.enums import AttnBackend
+
+        overrides["attention_backend"] = AttnBackend.local
+        # mbridge turns the config's `num_mtp_layers: 0` into mtp_num_layers=0, which Megatron's
+        # forward takes for multi-token prediction being on (it tests for None) and, without
+        # labels, fails on; None is what Megatron means by no MTP layer, as that config says.
+        overrides["mtp_num_layers"] = None
     return overrides
 
 
@@ -183,6 +214,7 @@ def install_cpu_stand_ins() -> None:
     """Replace the few CUDA-only calls on the paths this writer runs; none touches a weight.
     (Tensors Megatron creates on "cuda" are served by `CudaOnCpu`, entered around each rank.)"""
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import (
         experts,
         grouped_gemm_util,
@@ -211,6 +243,9 @@ def install_cpu_stand_ins() -> None:
     grouped_gemm_util.grouped_gemm = types.SimpleNamespace()
     grouped_gemm_util.ops = types.SimpleNamespace(gmm=grouped_matmul)
     experts.gg = grouped_gemm_util
+    # Multi-latent attention takes TransformerEngine to be present once its extension module
+    # imports, which it does without TE (with `TELinear` None), and then calls isinstance on None.
+    multi_latent_attention.HAVE_TE = False
 
 
 def split_sizes_to_numpy(dispatcher, point: str, tokens_per_expert=None):
@@ -261,6 +296,25 @@ def grouped_matmul(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, 
     return torch.cat(outputs)
 
 
+class MLACoreAttention(torch.nn.Module):
+    """softmax(q k^T * scale) v for multi-latent attention, in place of TransformerEngine's
+    DotProductAttention (CUDA only), which Megatron's MLA expects: Megatron's own
+    DotProductAttention takes one head size, and MLA's q/k heads (nope + rope part) are larger
+    than its v heads. It holds no weights."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, sequence, head size]
+        scores = (q @ k.transpose(-1, -2)).float() * self.softmax_scale
+        probs = torch.softmax(scores.masked_fill(attention_mask, float("-inf")), dim=-1).to(v.dtype)
+        out = probs @ v
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)  # [sequence, batch, heads * v size]
+
+
 def causal_mask(length: int) -> torch.Tensor:
     """Megatron's attention mask for one causal sequence: True where attention is masked."""
     return torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]
@@ -273,18 +327,29 @@ def build_bridge(args: argparse.Namespace, shape: Shape):
     """mbridge's bridge for the model, its TransformerConfig adjusted for CPU, building with the
     local layer spec."""
     from mbridge import AutoBridge
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from transformers import CONFIG_MAPPING
 
     fields = hf_config(args.model, shape, args.tied, args.dtype)
     config = CONFIG_MAPPING[fields["model_type"]](**{k: v for k, v in fields.items() if k not in ("model_type", "dtype", "torch_dtype")})
     # mbridge 0.15.1 reads `rope_theta` as an attribute; transformers 5 keeps it in rope_parameters.
     config.rope_theta = fields["rope_theta"]
+    if args.model == "deepseek_v3":
+        use_current_mla_field_names()
     bridge = AutoBridge.from_config(config, dtype=getattr(torch, args.dtype))
     bridge.set_extra_args(**cpu_overrides(args))
 
     def local_spec(vp_stage=None):
         c = bridge.config
+        if c.multi_latent_attention:  # dense layers, then MoE ones (moe_layer_freq): a block spec
+            block = get_gpt_decoder_block_spec(c, use_transformer_engine=False, normalization=c.normalization,
+                                               vp_stage=vp_stage)
+            for layer in block.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
+            return block
         return get_gpt_layer_local_spec(
             num_experts=c.num_moe_experts, moe_grouped_gemm=c.moe_grouped_gemm, qk_layernorm=c.qk_layernorm,
             normalization=c.normalization,
@@ -292,6 +357,20 @@ def build_bridge(args: argparse.Namespace, shape: Shape):
 
     bridge._get_transformer_layer_spec = local_spec
     return bridge
+
+
+def use_current_mla_field_names() -> None:
+    """mbridge 0.15.1's DeepSeek-V3 bridge passes Megatron's MLA config the yarn field by its
+    older name, `max_position_embeddings`, which Megatron-Core 0.16 calls
+    `original_max_position_embeddings` (the same number: the length yarn's scaling starts from)."""
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+    from megatron.core.transformer import MLATransformerConfig
+
+    def config_class(**fields):
+        fields["original_max_position_embeddings"] = fields.pop("max_position_embeddings")
+        return MLATransformerConfig(**fields)
+
+    DeepseekV3Bridge.TransformerConfigClass = staticmethod(config_class)
 
 
 class TENamedView:
@@ -304,6 +383,8 @@ class TENamedView:
         self.params = []
         for name, param in model.named_parameters():
             self.params.extend(self.te_named(model, name, param))
+        # The router's score-correction bias is a buffer, which mbridge finds in `state_dict`.
+        self.buffers = [(name, buffer) for name, buffer in model.named_buffers() if name.endswith(".router.expert_bias")]
 
     @staticmethod
     def te_named(model: torch.nn.Module, name: str, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -320,7 +401,13 @@ class TENamedView:
             stacked = param.view(experts.num_local_experts, hidden, -1) if fc1 else param.view(experts.num_local_experts, -1, hidden)
             fc = "linear_fc1" if fc1 else "linear_fc2"
             return [(f"decoder.layers.{parts[2]}.mlp.experts.{fc}.weight{e}", w.t()) for e, w in enumerate(stacked)]
-        if name.endswith(".input_layernorm.weight"):
+        if model.config.multi_latent_attention:
+            # The TE spec's MLA keeps `input_layernorm` apart and fuses the q and kv latent norms
+            # into the up projections that follow them.
+            for local, fused in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
+                if name.endswith(f".self_attention.{local}.weight"):
+                    return [(name.replace(f"{local}.weight", f"{fused}.layer_norm_weight"), param)]
+        elif name.endswith(".input_layernorm.weight"):
             return [(name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"), param)]
         # The TE spec fuses the pre-MLP norm into linear_fc1 in dense layers only; its MoE layers
         # keep `pre_mlp_layernorm`, as mbridge's MoE bridges map it.
@@ -332,7 +419,7 @@ class TENamedView:
         return iter(self.params)
 
     def state_dict(self):
-        return dict(self.params)
+        return dict(self.params + self.buffers)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -620,7 +707,8 @@ def write_hf_config(args: argparse.Namespace, shape: Shape) -> None:
         json.dump(hf_config(args.model, shape, args.tied, args.dtype), f, indent=2)
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """One checkpoint's arguments, checked."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", choices=sorted(HF_NAMES), required=True)
@@ -638,21 +726,52 @@ def main() -> None:
         help="train with the distributed optimizer and save its state, in this format (default dp_reshardable)",
     )
     parser.add_argument("--steps", type=int, default=STEPS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     world = args.tp * args.pp * args.ep
     if world > MAX_RANKS:
         parser.error(f"tp * pp * ep is {world}; at most {MAX_RANKS} ranks")
     if Shape().layers % args.pp:
         parser.error(f"--pp must divide the {Shape().layers} layers")
-    if args.ep > 1 and args.model not in ("qwen3_moe", "mixtral"):
+    if args.ep > 1 and args.model not in MOE_MODELS:
         parser.error("--ep takes an MoE model")
-    if args.tp > 1 and args.model in ("qwen3_moe", "mixtral"):
+    if args.tp > 1 and args.model in MOE_MODELS:
         parser.error("Megatron's MoE layer trains with TP only under sequence parallelism, which the local "
                      "spec's torch norm refuses: MoE models take --tp 1")
     if args.experts == "grouped" and args.dtype != "bfloat16":
         parser.error("Megatron's GroupedMLP computes in bfloat16 only: --experts grouped takes --dtype bfloat16")
+    return args
+
+
+def write(args: argparse.Namespace) -> None:
+    """Train and save one checkpoint on tp * pp * ep gloo ranks, forked from this process: each
+    starts with Megatron-Core, mbridge and transformers imported (`import_megatron`), which
+    spawning would import again in every rank, for every checkpoint."""
+    world = args.tp * args.pp * args.ep
     with tempfile.TemporaryDirectory(prefix="megatron-ranks-") as scratch:
-        mp.spawn(run_rank, args=(args, world, os.path.join(scratch, "rendezvous")), nprocs=world)
+        mp.start_processes(run_rank, args=(args, world, os.path.join(scratch, "rendezvous")), nprocs=world,
+                           start_method="fork")
+
+
+def import_megatron() -> None:
+    """Import what the ranks run, before they are forked (no thread or process group is started)."""
+    import mbridge  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import transformers  # noqa: F401
+
+
+def main() -> None:
+    """One checkpoint from the command line's arguments, or with `--batch FILE`, every one that
+    FILE (JSON: a list of argument lists) names, one after another in this process."""
+    import sys
+
+    argv = sys.argv[1:]
+    batches = [parse(arguments) for arguments in json.load(open(argv[1]))] if argv[:1] == ["--batch"] else [parse(argv)]
+    import_megatron()
+    for args in batches:
+        write(args)
 
 
 if __name__ == "__main__":
