@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayexport.common.errors import ExportError
-from rayexport.plan.pieces import needed_ranks, shard_extent
+from rayexport.plan.pieces import is_run, needed_ranks, shard_extent, tensor_pieces
 from rayexport.plan.shards import ShardInfo
 
 from support.plan_cases import EMBED, NORM, extent_info, fsdp2_ranks
@@ -132,3 +132,28 @@ def test_needed_ranks_1d_mesh_reads_every_rank():
 
 def test_needed_ranks_plain_tensors_read_every_rank():
     assert needed_ranks({EMBED: ShardInfo((4, 4), "float32")}, 3) == [0, 1, 2]
+
+
+def run_infos(runs: list[tuple[int, int]]) -> dict[int, ShardInfo]:
+    """Ranks holding runs (start, length) of a flattened tensor, as ZeRO partitions it."""
+    return {rank: ShardInfo(local_shape=(length,), dtype="float32", offset=(start,), flat=True)
+            for rank, (start, length) in enumerate(runs)}
+
+
+def test_runs_of_a_flattened_tensor_are_placed_in_order_across_rows():
+    """ZeRO-3 gives each rank ceil(numel / world) elements of each parameter, cutting through
+    rows: a (5, 3) weight over 4 ranks is runs of 4, 4, 4 and 3 (the last rank's padding dropped)."""
+    pieces = tensor_pieces("w", run_infos([(8, 4), (0, 4), (12, 3), (4, 4)]), (5, 3))
+    assert [(piece.rank, piece.offset, piece.shape) for piece in pieces] == [
+        (1, (0,), (4,)), (3, (4,), (4,)), (0, (8,), (4,)), (2, (12,), (3,)),
+    ]
+    assert all(is_run(piece, (5, 3)) for piece in pieces)
+
+
+@pytest.mark.parametrize("runs,message", [
+    ([(0, 4), (5, 10)], "rank 1's part starts at element 5, but the parts before end at 4"),
+    ([(0, 4), (4, 10)], "parts cover 14 of its 15 elements"),
+])
+def test_runs_that_leave_a_gap_or_fall_short_are_one_line(runs, message):
+    with pytest.raises(ExportError, match=message):
+        tensor_pieces("w", run_infos(runs), (5, 3))

@@ -83,3 +83,40 @@ def test_a_changed_tensor_is_named_whether_or_not_the_files_digest_stands_for_it
         "integrity: tensor 'a' does not match its recorded digest",
         "fidelity: tensor 'a' at offset [0, 0] differs from rank 0's 'a'",
     ]
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_runs_of_a_flattened_tensor_are_checked_as_byte_ranges(tmp_path, monkeypatch, corrupt):
+    """A ZeRO partition is a run of the flattened tensor, cutting through rows: each is checked as
+    its bytes, across the row blocks the file is read in."""
+    import hashlib
+
+    import torch
+
+    from rayexport.storage.store import Store
+    from rayexport.transport.writer import tensor_bytes
+    from rayexport.verification import files
+    from rayexport.verification.expected import ExpectedExport
+
+    tensor = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
+    save_file({"w": tensor}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    runs = [(0, 11), (11, 11), (22, 11), (33, 9)]
+    pieces = [
+        {"offset": [start], "shape": [length], "rank": rank, "source_key": "w",
+         "sha256": hashlib.sha256(tensor_bytes(tensor.view(-1)[start:start + length])).hexdigest()}
+        for rank, (start, length) in enumerate(runs)
+    ]
+    if corrupt:  # element 25, in rank 2's run, in the row block holding rows 4 and 5
+        data = bytearray(data)
+        data[len(data) - tensor.nbytes + 25 * 4] ^= 0x40
+        (tmp_path / "model.safetensors").write_bytes(bytes(data))
+    expected = ExpectedExport(
+        files={"model.safetensors": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+        tensors={"w": {"dtype": "float32", "shape": [7, 6], "sha256": hashlib.sha256(data[-tensor.nbytes:]).hexdigest()}},
+        pieces={"w": pieces},
+    )
+    monkeypatch.setattr(files, "READ_BLOCK", 2 * 6 * 4)  # two rows per read
+    [check] = files.check_files(Store(str(tmp_path)), ["model.safetensors"], expected)
+    assert check.pieces_checked == 4
+    assert check.problems == (["fidelity: tensor 'w' at offset [22] differs from rank 2's 'w'"] if corrupt else [])

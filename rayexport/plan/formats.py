@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, get_args
 
 from rayexport.common.errors import ExportError
-from rayexport.plan.pieces import Piece
+from rayexport.plan.pieces import Piece, is_run
 from rayexport.plan.tiles import Tile, invert, is_whole, select
 
 # The formats an export's tensors can be written in (`--format`), owned here: everything else
@@ -179,6 +179,12 @@ def convert_plans(
         if is_whole(parts, shape, first.shape):
             converted.append(replace(first, name=name))
             continue
+        flattened = next((plan for plan in sources if any(is_run(piece, plan.shape) for piece in plan.pieces)), None)
+        if flattened is not None:
+            raise ExportError(
+                f"tensor '{flattened.name}' is saved flattened across ranks and '{name}' is cut from it; "
+                f"export with --format {source_kind}"
+            )
         lora = next((plan for plan in sources if plan.lora is not None), None)
         if lora is not None:
             raise ExportError(

@@ -23,7 +23,9 @@ BASE_MODEL_RANK = -1
 class Piece:
     """One rank's slice of one source tensor: where it sits in the output tensor. For a
     converted tensor (`plan/formats.py`) it is the box `region` (start, length, step per axis)
-    of the rank's local shard, laid out along the output's axes (`axes`, as in `Tile`); otherwise the whole local shard."""
+    of the rank's local shard, laid out along the output's axes (`axes`, as in `Tile`); otherwise the whole local shard.
+    A piece with a one-element offset in a tensor of other than one dimension is a run of the
+    flattened tensor (`is_run`), as DeepSpeed ZeRO partitions parameters."""
 
     rank: int
     source_key: str
@@ -36,6 +38,11 @@ class Piece:
     @property
     def nbytes(self) -> int:
         return nbytes(self.shape, self.dtype)
+
+
+def is_run(piece: Piece, shape: tuple[int, ...]) -> bool:
+    """Whether `piece` of a tensor of `shape` is a run of its flattened elements rather than a box."""
+    return len(piece.offset) == 1 and len(shape) != 1
 
 
 def holders_from_ranks(rank_infos: dict[int, dict[str, ShardInfo]]) -> dict[str, dict[int, ShardInfo]]:
@@ -69,6 +76,8 @@ def _check_same_keys(rank_infos: dict[int, dict[str, ShardInfo]]) -> None:
 
 def tensor_pieces(key: str, infos: dict[int, ShardInfo], shape: tuple[int, ...]) -> tuple[Piece, ...]:
     """The pieces one source tensor is assembled from, whatever kind of tensor the ranks hold."""
+    if all(info.flat for info in infos.values()):
+        return run_pieces(key, infos, shape)
     is_dtensor = [info.global_shape is not None for info in infos.values()]
     if all(is_dtensor):
         return dtensor_pieces(key, infos, shape)
@@ -109,6 +118,33 @@ def dtensor_pieces(
     if not pieces:  # an empty tensor still needs one (empty) piece to be assembled from
         first = min(infos)
         pieces.append(Piece(first, key, (0,) * len(expected_shape), expected_shape, infos[first].dtype))
+    return tuple(pieces)
+
+
+def run_pieces(key: str, infos: dict[int, ShardInfo], expected_shape: tuple[int, ...]) -> tuple[Piece, ...]:
+    """Pieces of a tensor saved as runs of its flattened elements (DeepSpeed ZeRO's partitions):
+    each rank's run in order, which together must cover the tensor once."""
+    for rank, info in sorted(infos.items()):
+        if info.global_shape is not None and info.global_shape != expected_shape:
+            raise ExportError(
+                f"tensor '{key}' in rank {rank} has shape {list(info.global_shape)}, "
+                f"but the config's model expects {list(expected_shape)}"
+            )
+    numel, position, pieces = math.prod(expected_shape), 0, []
+    for start, length, rank in sorted((info.offset[0], info.local_shape[0], rank) for rank, info in infos.items()):
+        if not length:
+            continue
+        if start != position:
+            raise ExportError(
+                f"tensor '{key}': rank {rank}'s part starts at element {start}, but the parts before end at {position}"
+            )
+        pieces.append(Piece(rank, key, (start,), (length,), infos[rank].dtype))
+        position += length
+    if position != numel:
+        raise ExportError(f"tensor '{key}' parts cover {position} of its {numel} elements")
+    if not pieces:  # an empty tensor still needs one (empty) piece to be assembled from
+        first = min(infos)
+        pieces.append(Piece(first, key, (0,), (0,), infos[first].dtype))
     return tuple(pieces)
 
 

@@ -26,6 +26,9 @@ class ShardInfo:
     finite: bool = True  # False when this rank's part holds NaN or Inf
     # where the part starts in the global tensor, where the reader is told outright (a DCP chunk)
     offset: tuple[int, ...] | None = None
+    # the part is a run of the flattened tensor (of `global_shape`), `local_shape` (n,) elements
+    # from `offset` (start,): how DeepSpeed ZeRO partitions its flat buffers, across rows
+    flat: bool = False
 
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from rayexport.common.dtypes import dtype_of
 from rayexport.plan.lora import merge_lora
 from rayexport.plan.naming import TensorPlan
-from rayexport.plan.pieces import Piece
+from rayexport.plan.pieces import Piece, is_run
 from rayexport.plan.schedule import packed_offsets
 
 
@@ -44,11 +44,15 @@ def unpack(pieces: tuple[Piece, ...], buffer: torch.Tensor) -> list[torch.Tensor
 
 
 def assemble(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> torch.Tensor:
-    """The full tensor from its pieces, each copied to its offset (in the source dtype)."""
+    """The full tensor from its pieces, each copied to its offset (in the source dtype); a run
+    of the flattened tensor (`is_run`) to its place in the flattened tensor."""
     if len(plan.pieces) == 1 and plan.pieces[0].shape == plan.shape:
         return pieces[plan.pieces[0]]
     full = torch.empty(plan.shape, dtype=dtype_of(plan.source_dtype))
     for piece in plan.pieces:
+        if is_run(piece, plan.shape):
+            full.view(-1)[piece.offset[0]:piece.offset[0] + piece.shape[0]] = pieces[piece]
+            continue
         region = tuple(slice(start, start + length) for start, length in zip(piece.offset, piece.shape))
         full[region] = pieces[piece]
     return full
@@ -58,12 +62,14 @@ def output_chunks(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> list[t
     """An output tensor as consecutive chunks whose bytes, in order, are the tensor's bytes.
 
     Pieces that are whole rows (Shard(0), FSDP1 flat rows) are written as they are, with no
-    assembled copy; anything else is assembled, and a LoRA adapter is merged when planned."""
+    assembled copy; anything else (boxes, runs across rows) is assembled, and a LoRA adapter is
+    merged when planned."""
     if plan.lora is not None:
         a, b = assemble(plan.lora.a, pieces), assemble(plan.lora.b, pieces)
         return list(merge_lora(assemble(plan, pieces), a, b, plan.lora.scale, plan.lora.fan_in_fan_out))
     whole_rows = all(
-        piece.offset[1:] == (0,) * (len(plan.shape) - 1) and piece.shape[1:] == plan.shape[1:]
+        not is_run(piece, plan.shape) and piece.offset[1:] == (0,) * (len(plan.shape) - 1)
+        and piece.shape[1:] == plan.shape[1:]
         for piece in plan.pieces
     )
     if not whole_rows or not plan.shape:
