@@ -20,7 +20,9 @@ RAY_HEAD = pytest.StashKey()
 # A test that needs any of these (or a fixture that does) is `slow`, which `-m "not slow"` leaves
 # out: the session's Ray, its S3 server and the checkpoints gloo ranks write for the session. A
 # test slow for another reason (a cluster, a virtualenv, a subprocess export) is marked itself.
-SLOW_FIXTURES = frozenset({"ray_address", "s3_endpoint", "verl_checkpoints", "hf_sharded_checkpoints", "megatron_checkpoints"})
+SLOW_FIXTURES = frozenset({
+    "ray_address", "s3_endpoint", "verl_checkpoints", "hf_sharded_checkpoints", "megatron_checkpoints", "deepspeed_checkpoints",
+})
 
 
 def pytest_collection_modifyitems(config, items):
@@ -225,3 +227,11 @@ def megatron_checkpoints(tmp_path_factory):
     from support.megatron_checkpoints import write_megatron_checkpoints
 
     return write_megatron_checkpoints(str(tmp_path_factory.mktemp("megatron")))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_checkpoints(tmp_path_factory):
+    """Real DeepSpeed ZeRO checkpoints, by name (`support.deepspeed_checkpoints.CASES`)."""
+    from support.deepspeed_checkpoints import write_deepspeed_checkpoints
+
+    return write_deepspeed_checkpoints(str(tmp_path_factory.mktemp("deepspeed")))

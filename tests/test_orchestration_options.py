@@ -50,5 +50,5 @@ def test_choices_are_checked_with_the_flags_name():
 def test_the_manifest_records_the_options_that_decide_the_bytes():
     assert set(ExportOptions(src="a", dst="b").recorded()) == {
         "dtype", "max_shard_size", "trust_remote_code", "verify", "lora", "base_model", "lora_alpha",
-        "lora_rslora", "untie", "strict", "dcp_prefix", "step", "format",
+        "lora_rslora", "untie", "strict", "dcp_prefix", "step", "tag", "format",
     }

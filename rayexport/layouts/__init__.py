@@ -3,4 +3,4 @@
 # `--layout`'s choices, in the order `auto` tries the layouts (`registry.LAYOUTS`, whose names
 # these are); here, so that the command line's options need none of the readers' imports.
 AUTO = "auto"
-LAYOUT_NAMES = (AUTO, "megatron", "torchtitan", "dcp", "verl", "accelerate", "hf-sharded")
+LAYOUT_NAMES = (AUTO, "megatron", "deepspeed", "torchtitan", "dcp", "verl", "accelerate", "hf-sharded")

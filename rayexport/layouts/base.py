@@ -89,11 +89,13 @@ class Loaded:
 class SourceSettings:
     """The user's say in how a source is read: the stored keys' model prefix (None: detected,
     where the layout nests state dicts), whether pickles may run code (trusted input only), and
-    which of a save folder's iterations to read (None: the newest its trainer recorded)."""
+    which of a save folder's iterations to read (None: the newest its trainer recorded), and which
+    tag folder of a DeepSpeed save (None: the one its `latest` names)."""
 
     key_prefix: str | None = None
     unsafe_pickle: bool = False
     step: int | None = None
+    tag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class Checkpoint:
     skipped: list[str] = field(default_factory=list)  # stored entries that are not model tensors
     # where the trainer saved under names of its own (torchtitan), its namings of the model
     producer_namings: ProducerNamings | None = None
+    # the trainer's own files and folders in `hf_folder` (a save folder beside its weights): not carried
+    trainer_files: frozenset[str] = frozenset()
     spools_remote_files = True  # whether a worker copies a remote file to local disk to read it
 
     @property

@@ -8,6 +8,7 @@ from rayexport.layouts import AUTO, LAYOUT_NAMES
 from rayexport.layouts.accelerate import AccelerateLayout
 from rayexport.layouts.base import Checkpoint, Layout, SourceSettings
 from rayexport.layouts.dcp import DcpLayout
+from rayexport.layouts.deepspeed import DeepSpeedLayout
 from rayexport.layouts.hf_sharded import ShardedSafetensorsLayout
 from rayexport.layouts.megatron import MegatronLayout
 from rayexport.layouts.torchtitan import TorchtitanLayout
@@ -15,7 +16,8 @@ from rayexport.layouts.verl import VerlLayout
 from rayexport.storage.store import Store
 
 LAYOUTS: tuple[Layout, ...] = (
-    MegatronLayout(), TorchtitanLayout(), DcpLayout(), VerlLayout(), AccelerateLayout(), ShardedSafetensorsLayout(),
+    MegatronLayout(), DeepSpeedLayout(), TorchtitanLayout(), DcpLayout(), VerlLayout(), AccelerateLayout(),
+    ShardedSafetensorsLayout(),
 )
 # What `auto` falls back to when no layout recognises the files: its errors name what is missing.
 FALLBACK = VerlLayout()

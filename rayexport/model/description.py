@@ -26,14 +26,18 @@ from rayexport.storage.store import Store
 WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.safetensors\.index\.json|\.bin\.index\.json)$")
 
 
-def hf_file_names(hf_store: Store) -> list[str]:
-    """The files of a Hugging Face folder worth carrying into an export: everything but weights."""
-    return [name for name in hf_store.find() if not WEIGHT_FILE.search(name)]
+def hf_file_names(hf_store: Store, trainers: frozenset[str] = frozenset()) -> list[str]:
+    """The files of a Hugging Face folder worth carrying into an export: everything but weights
+    and the trainer's own files and folders there (`trainers`, names at the folder's top)."""
+    return [
+        name for name in hf_store.find() if not WEIGHT_FILE.search(name) and name.split("/", 1)[0] not in trainers
+    ]
 
 
-def fetch_hf_folder(hf_store: Store, local_dir: str) -> list[str]:
-    """Copy the non-weight files of a Hugging Face folder to `local_dir`; return their names."""
-    names = hf_file_names(hf_store)
+def fetch_hf_folder(hf_store: Store, local_dir: str, trainers: frozenset[str] = frozenset()) -> list[str]:
+    """Copy the non-weight files of a Hugging Face folder (less `trainers`' files) to `local_dir`;
+    return their names."""
+    names = hf_file_names(hf_store, trainers)
     for name in names:
         target = os.path.join(local_dir, name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -197,14 +201,17 @@ _DESCRIBED: dict[str, "ModelDescription"] = {}
 _DESCRIBED_LIMIT = 8
 
 
-def describe_model(hf_store: Store, base_model: Store | None, trust_remote_code: bool) -> ModelDescription:
+def describe_model(
+    hf_store: Store, base_model: Store | None, trust_remote_code: bool, trainers: frozenset[str] = frozenset()
+) -> ModelDescription:
     """Config, meta-model names/shapes and tie aliases, and every file the export carries
-    (tokenizer, generation config, remote code), from the checkpoint's HF folder. Remote code
+    (tokenizer, generation config, remote code), from the checkpoint's HF folder, less its
+    trainer's own files there (`trainers`). Remote code
     the folder lacks comes from the base model folder, else from the model's class module.
     A folder whose files are byte for byte those of one described before is described again
     from memory."""
     with tempfile.TemporaryDirectory(prefix="rayexport-hf-") as local:
-        names = fetch_hf_folder(hf_store, local)
+        names = fetch_hf_folder(hf_store, local, trainers)
         with open(os.path.join(local, "config.json"), "rb") as handle:
             raw_config = _parse_json(handle.read(), hf_store.display("config.json"))
         code_files = auto_map_files(raw_config)

@@ -68,7 +68,7 @@ def plan_export(options: ExportOptions, seconds: dict[str, float] | None = None)
         cluster = cluster_nodes(options) if source.is_local or destination.is_local else None
         if cluster is not None and source.is_local:
             source = spread_store(source, ask_nodes(source.path(), cluster), RayOnNode())
-        checkpoint = find_checkpoint(source, options.layout, SourceSettings(options.dcp_prefix, options.unsafe_pickle, options.step))
+        checkpoint = find_checkpoint(source, options.layout, SourceSettings(options.dcp_prefix, options.unsafe_pickle, options.step, options.tag))
         export_node = None
         if cluster is not None and destination.is_local:
             export_node = _export_node(checkpoint, cluster, options)

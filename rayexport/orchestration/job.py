@@ -254,7 +254,8 @@ def _prepare(plan: ExportPlan) -> ModelDescription:
         log.warning("aborted an unfinished upload left by an earlier run: %s", key)
     hf_config = Store(options.hf_config, destination.options) if options.hf_config else None
     folder = hf_folder(plan.checkpoint.hf_folder, hf_config, plan.checkpoint.nearby_hf_folder, plan.base_model)
-    model = describe_model(folder, plan.base_model, options.trust_remote_code)
+    trainers = plan.checkpoint.trainer_files if folder is plan.checkpoint.hf_folder else frozenset()
+    model = describe_model(folder, plan.base_model, options.trust_remote_code, trainers)
     checkpoint = plan.checkpoint
     if checkpoint.producer_namings is not None:
         producers = checkpoint.producer_namings(model.config, model.formats.disk)

@@ -84,6 +84,8 @@ class ExportOptions:
                                     group=SOURCE, metavar="PREFIX", recorded=True)
     step: int | None = option(help="the iteration of a Megatron-LM save folder to export (default: the one its "
                               "latest_checkpointed_iteration.txt names)", group=SOURCE, metavar="N", recorded=True)
+    tag: str | None = option(help="the tag folder of a DeepSpeed save to export, e.g. global_step100 (default: "
+                             "the one its 'latest' file names)", group=SOURCE, metavar="TAG", recorded=True)
     storage_options: dict[str, Any] = option(
         help='fsspec/s3fs options for SRC and DST, e.g. \'{"endpoint_url": "http://..."}\'',
         group=SOURCE, metavar="JSON", default_factory=dict,

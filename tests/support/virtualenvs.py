@@ -1,5 +1,6 @@
-"""Virtualenvs for the tests that run another package's own code (torchtitan, vLLM, Megatron-Core), kept under
-a cache folder that test sessions share, so that only the first session pays for the install.
+"""Virtualenvs for the tests that run another package's own code (torchtitan, vLLM, Megatron-Core,
+DeepSpeed), kept under a cache folder that test sessions share, so that only the first session
+pays for the install.
 Each sees the test session's own torch (`share_torch`) instead of installing a second copy."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Where the tests keep each virtualenv (git ignores them).
 TORCHTITAN_CACHE, VLLM_CACHE = os.path.join(REPO, ".venv-torchtitan"), os.path.join(REPO, ".venv-vllm")
 MEGATRON_CACHE = os.path.join(REPO, ".venv-megatron")
+DEEPSPEED_CACHE = os.path.join(REPO, ".venv-deepspeed")
 
 
 def cached_virtualenv(cache_dir: str, name: str, install: Callable[[list[str]], None]) -> str:
@@ -53,12 +55,14 @@ def share_torch(python: str) -> None:
 def build_all() -> None:
     """Every virtualenv the tests use: `python tests/support/virtualenvs.py`, which CI starts
     beside the tests so that the builds overlap them (a test needing one waits for its build)."""
+    from support.deepspeed_env import deepspeed_python
     from support.megatron_env import megatron_python
     from support.torchtitan_env import torchtitan_python
     from support.vllm_env import vllm_python
 
     # in the order the tests need them
-    print(megatron_python(MEGATRON_CACHE), vllm_python(VLLM_CACHE), torchtitan_python(TORCHTITAN_CACHE), flush=True)
+    print(deepspeed_python(DEEPSPEED_CACHE), megatron_python(MEGATRON_CACHE), vllm_python(VLLM_CACHE),
+          torchtitan_python(TORCHTITAN_CACHE), flush=True)
 
 
 if __name__ == "__main__":

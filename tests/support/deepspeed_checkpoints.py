@@ -1,0 +1,45 @@
+"""The DeepSpeed ZeRO checkpoints the session's tests share: each written once, by DeepSpeed's own
+engine (`deepspeed_save.py`, run with the Python of `deepspeed_env.deepspeed_python`), into a
+folder of its own, with DeepSpeed's own conversion beside it (`reference/`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from support.deepspeed_env import deepspeed_python
+from support.virtualenvs import DEEPSPEED_CACHE
+
+SAVE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_save.py")
+
+# name: deepspeed_save.py's arguments; each a different way ZeRO partitions or a trainer lays out the save
+CASES = {
+    "zero1-untied": ["--stage", "1", "--untied"],
+    "zero2-tied": ["--stage", "2", "--tied"],
+    "zero2-bf16-untied-openrlhf": ["--stage", "2", "--untied", "--dtype", "bfloat16", "--layout", "openrlhf"],
+    "zero3-untied-world3": ["--stage", "3", "--untied", "--world", "3"],
+    "zero3-bf16-tied-zero-init": ["--stage", "3", "--tied", "--dtype", "bfloat16", "--zero-init"],
+    "zero2-lora": ["--stage", "2", "--untied", "--lora"],
+    "zero3-lora": ["--stage", "3", "--untied", "--lora"],
+}
+
+
+def write_deepspeed_checkpoints(root: str) -> dict[str, str]:
+    """Every case of `CASES` saved under `root`, by name, by one DeepSpeed process; the folder
+    each was saved in."""
+    python = deepspeed_python(DEEPSPEED_CACHE)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    folders = {name: os.path.join(root, name) for name in CASES}
+    batch = os.path.join(root, "cases.json")
+    with open(batch, "w") as f:
+        json.dump([["--out", folders[name], *arguments] for name, arguments in CASES.items()], f)
+    subprocess.run([python, SAVE_SCRIPT, "--batch", batch], check=True, timeout=900, env=env)
+    return folders
+
+
+def source_of(folder: str) -> tuple[str, list[str]]:
+    """`--src` for a saved case, as its trainer's users point at it, and the options it needs."""
+    if os.path.isdir(os.path.join(folder, "_actor")):
+        return os.path.join(folder, "_actor"), ["--hf-config", os.path.join(folder, "hf")]  # OpenRLHF keeps it apart
+    return os.path.join(folder, "checkpoint-2"), []
