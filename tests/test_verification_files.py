@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from safetensors.torch import save_file
 
 
@@ -10,37 +11,42 @@ from safetensors.torch import save_file
 def test_pieces_cut_along_columns_are_checked_across_row_blocks(tmp_path, monkeypatch, corrupt):
     """A source piece that is a block of columns (tensor parallel, a converted tensor) is not one
     byte range: its rows' parts are gathered from each block of rows as the file streams by."""
-    import hashlib
-
-    import torch
-
-    from rayexport.storage.store import Store
-    from rayexport.verification import files
-    from rayexport.verification.expected import ExpectedExport
-    from rayexport.transport.writer import tensor_bytes
-
     tensor = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
-    save_file({"w": tensor}, str(tmp_path / "model.safetensors"))
-    data = (tmp_path / "model.safetensors").read_bytes()
     regions = {"left": (0, 0, 7, 2), "right-low": (3, 2, 4, 4), "right-high": (0, 2, 3, 4)}
     pieces = [
-        {"offset": [row, col], "shape": [rows, cols], "rank": index, "source_key": name,
-         "sha256": hashlib.sha256(tensor_bytes(tensor[row:row + rows, col:col + cols])).hexdigest()}
+        ({"offset": [row, col], "shape": [rows, cols], "rank": index, "source_key": name}, tensor[row:row + rows, col:col + cols])
         for index, (name, (row, col, rows, cols)) in enumerate(regions.items())
     ]
-    if corrupt:  # one element of the right-low piece, in a row block the other pieces also cut
-        data = bytearray(data)
-        data[len(data) - tensor.nbytes + (4 * 6 + 3) * 4] ^= 0x40
+    # with `corrupt`, one element of the right-low piece, in a row block the other pieces also cut
+    problems = checked_in_row_blocks(tmp_path, monkeypatch, tensor, pieces, 4 * 6 + 3 if corrupt else None)
+    assert problems == (["fidelity: tensor 'w' at offset [3, 2] differs from rank 1's 'right-low'"] if corrupt else [])
+
+
+def checked_in_row_blocks(tmp_path, monkeypatch, tensor, pieces, corrupt_element) -> list[str]:
+    """The file check's problems for a file holding `tensor` as "w", read two rows at a time,
+    whose source `pieces` are (record, values) pairs; `corrupt_element`: one element changed."""
+    import hashlib
+
+    from rayexport.storage.store import Store
+    from rayexport.transport.writer import tensor_bytes
+    from rayexport.verification import files
+    from rayexport.verification.expected import ExpectedExport
+
+    save_file({"w": tensor}, str(tmp_path / "model.safetensors"))
+    data = bytearray((tmp_path / "model.safetensors").read_bytes())
+    if corrupt_element is not None:
+        data[len(data) - tensor.nbytes + corrupt_element * 4] ^= 0x40
         (tmp_path / "model.safetensors").write_bytes(bytes(data))
+    records = [dict(record, sha256=hashlib.sha256(tensor_bytes(values)).hexdigest()) for record, values in pieces]
     expected = ExpectedExport(
         files={"model.safetensors": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-        tensors={"w": {"dtype": "float32", "shape": [7, 6], "sha256": hashlib.sha256(data[-tensor.nbytes:]).hexdigest()}},
-        pieces={"w": pieces},
+        tensors={"w": {"dtype": "float32", "shape": list(tensor.shape), "sha256": hashlib.sha256(data[-tensor.nbytes:]).hexdigest()}},
+        pieces={"w": records},
     )
-    monkeypatch.setattr(files, "READ_BLOCK", 2 * 6 * 4)  # two rows per read
+    monkeypatch.setattr(files, "READ_BLOCK", 2 * tensor.shape[1] * 4)  # two rows per read
     [check] = files.check_files(Store(str(tmp_path)), ["model.safetensors"], expected)
-    assert check.pieces_checked == 3
-    assert check.problems == (["fidelity: tensor 'w' at offset [3, 2] differs from rank 1's 'right-low'"] if corrupt else [])
+    assert check.pieces_checked == len(pieces)
+    return check.problems
 
 
 @pytest.mark.parametrize("written_together", [False, True])
@@ -89,34 +95,10 @@ def test_a_changed_tensor_is_named_whether_or_not_the_files_digest_stands_for_it
 def test_runs_of_a_flattened_tensor_are_checked_as_byte_ranges(tmp_path, monkeypatch, corrupt):
     """A ZeRO partition is a run of the flattened tensor, cutting through rows: each is checked as
     its bytes, across the row blocks the file is read in."""
-    import hashlib
-
-    import torch
-
-    from rayexport.storage.store import Store
-    from rayexport.transport.writer import tensor_bytes
-    from rayexport.verification import files
-    from rayexport.verification.expected import ExpectedExport
-
     tensor = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
-    save_file({"w": tensor}, str(tmp_path / "model.safetensors"))
-    data = (tmp_path / "model.safetensors").read_bytes()
     runs = [(0, 11), (11, 11), (22, 11), (33, 9)]
-    pieces = [
-        {"offset": [start], "shape": [length], "rank": rank, "source_key": "w",
-         "sha256": hashlib.sha256(tensor_bytes(tensor.view(-1)[start:start + length])).hexdigest()}
-        for rank, (start, length) in enumerate(runs)
-    ]
-    if corrupt:  # element 25, in rank 2's run, in the row block holding rows 4 and 5
-        data = bytearray(data)
-        data[len(data) - tensor.nbytes + 25 * 4] ^= 0x40
-        (tmp_path / "model.safetensors").write_bytes(bytes(data))
-    expected = ExpectedExport(
-        files={"model.safetensors": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-        tensors={"w": {"dtype": "float32", "shape": [7, 6], "sha256": hashlib.sha256(data[-tensor.nbytes:]).hexdigest()}},
-        pieces={"w": pieces},
-    )
-    monkeypatch.setattr(files, "READ_BLOCK", 2 * 6 * 4)  # two rows per read
-    [check] = files.check_files(Store(str(tmp_path)), ["model.safetensors"], expected)
-    assert check.pieces_checked == 4
-    assert check.problems == (["fidelity: tensor 'w' at offset [22] differs from rank 2's 'w'"] if corrupt else [])
+    pieces = [({"offset": [start], "shape": [length], "rank": rank, "source_key": "w"}, tensor.view(-1)[start:start + length])
+              for rank, (start, length) in enumerate(runs)]
+    # with `corrupt`, element 25, in rank 2's run, in the row block holding rows 4 and 5
+    problems = checked_in_row_blocks(tmp_path, monkeypatch, tensor, pieces, 25 if corrupt else None)
+    assert problems == (["fidelity: tensor 'w' at offset [22] differs from rank 2's 'w'"] if corrupt else [])

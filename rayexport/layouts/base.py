@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 from rayexport.layouts.mapped import mapped_ranges
+from rayexport.plan.pieces import holders_by_key
 from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
 
@@ -165,6 +166,15 @@ class Layout(Protocol):
     def snapshot(self, store: Store, names: list[str]) -> dict[str, int] | None:
         """The names and sizes of the checkpoint's files, for the watcher to see them settle;
         None while the trainer has not written its completion marker yet."""
+
+
+def load_ranks(load: LoadStep, worker_of_rank: dict[int, int]) -> Loaded:
+    """One `load` step in which each worker reads its ranks (as `Part`s, lists of rank numbers)."""
+    parts: dict[int, list[int]] = {}
+    for rank, worker in sorted(worker_of_rank.items()):
+        parts.setdefault(worker, []).append(rank)
+    rank_infos = load(parts)
+    return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
 
 
 def marker_snapshot(store: Store, names: list[str], marker: str) -> dict[str, int] | None:

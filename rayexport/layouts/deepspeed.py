@@ -26,10 +26,9 @@ import torch
 from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
 from rayexport.common.scan import is_finite
-from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, MappedTensors, SourceSettings, SourceTensors
+from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, load_ranks, MappedTensors, SourceSettings, SourceTensors
 from rayexport.layouts.mapped import mapped_ranges
 from rayexport.layouts.torch_zip import StandIn, TensorRef, TorchZip
-from rayexport.plan.pieces import holders_by_key
 from rayexport.plan.schedule import assign_ranks
 from rayexport.plan.shards import ShardInfo
 from rayexport.plan.zero import frozen_runs, partitioned_runs, zero3_runs
@@ -99,11 +98,7 @@ class DeepSpeedCheckpoint(Checkpoint):
             worker_of_rank = {rank: file_readers[self.sources[rank][0].file] for rank in ranks}
         if MODEL_STATES_RANK in self.sources:
             worker_of_rank[MODEL_STATES_RANK] = 0 if file_readers is None else file_readers[self.sources[MODEL_STATES_RANK][0].file]
-        parts: dict[int, list[int]] = {}
-        for rank, worker in sorted(worker_of_rank.items()):
-            parts.setdefault(worker, []).append(rank)
-        rank_infos = load(parts)
-        return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
+        return load_ranks(load, worker_of_rank)
 
     def part_bytes(self, part: list[int]) -> int:
         """The bytes of the buffers a worker reads for the ranks `part`."""

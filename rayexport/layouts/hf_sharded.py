@@ -16,12 +16,11 @@ from torch.distributed.checkpoint._hf_utils import _gen_file_name, _metadata_fn
 
 from rayexport.common.errors import ExportError, one_line
 from rayexport.common.scan import is_finite
-from rayexport.layouts.base import HF_DIR, Advance, Checkpoint, Loaded, LoadStep, SourceSettings, SourceTensors
+from rayexport.layouts.base import HF_DIR, Advance, Checkpoint, Loaded, LoadStep, load_ranks, SourceSettings, SourceTensors
 from rayexport.layouts.hf import SafetensorsFiles
 from rayexport.layouts.hf_sharded_headers import Piece, full_shape, header_pieces, read_header
 from rayexport.layouts.mapped import local_file, mapped_ranges
 from rayexport.layouts.verl import spans
-from rayexport.plan.pieces import holders_by_key
 from rayexport.plan.schedule import assign_ranks
 from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
@@ -57,11 +56,7 @@ class ShardedSafetensorsCheckpoint(Checkpoint):
             worker_of_rank = assign_ranks(list(range(self.world_size)), num_workers)
         else:
             worker_of_rank = {rank: file_readers[files[0]] for rank, files in enumerate(self.rank_files)}
-        parts: dict[int, list[int]] = {}
-        for rank, worker in sorted(worker_of_rank.items()):
-            parts.setdefault(worker, []).append(rank)
-        rank_infos = load(parts)
-        return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
+        return load_ranks(load, worker_of_rank)
 
     def part_bytes(self, part: list[int]) -> int:
         """The bytes of the files of the ranks `part`."""

@@ -4,12 +4,10 @@ folder of its own, with DeepSpeed's own conversion beside it (`reference/`)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 
 from support.deepspeed_env import deepspeed_python
-from support.virtualenvs import DEEPSPEED_CACHE
+from support.virtualenvs import DEEPSPEED_CACHE, write_cases
 
 SAVE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_save.py")
 
@@ -28,14 +26,7 @@ CASES = {
 def write_deepspeed_checkpoints(root: str) -> dict[str, str]:
     """Every case of `CASES` saved under `root`, by name, by one DeepSpeed process; the folder
     each was saved in."""
-    python = deepspeed_python(DEEPSPEED_CACHE)
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    folders = {name: os.path.join(root, name) for name in CASES}
-    batch = os.path.join(root, "cases.json")
-    with open(batch, "w") as f:
-        json.dump([["--out", folders[name], *arguments] for name, arguments in CASES.items()], f)
-    subprocess.run([python, SAVE_SCRIPT, "--batch", batch], check=True, timeout=900, env=env)
-    return folders
+    return write_cases(deepspeed_python(DEEPSPEED_CACHE), SAVE_SCRIPT, root, CASES, timeout=900)
 
 
 def source_of(folder: str) -> tuple[str, list[str]]:

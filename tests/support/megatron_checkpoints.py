@@ -4,12 +4,10 @@ folder of its own, with mbridge's export and Megatron's logits beside it (`refer
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 
 from support.megatron_env import megatron_python
-from support.virtualenvs import MEGATRON_CACHE
+from support.virtualenvs import MEGATRON_CACHE, write_cases
 
 SAVE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_save.py")
 
@@ -32,14 +30,7 @@ CASES = {
 def write_megatron_checkpoints(root: str) -> dict[str, str]:
     """Every case of `CASES` saved under `root`, by name, by one Megatron process; the folder
     each was saved in."""
-    python = megatron_python(MEGATRON_CACHE)
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    folders = {name: os.path.join(root, name) for name in CASES}
-    batch = os.path.join(root, "cases.json")
-    with open(batch, "w") as f:
-        json.dump([["--out", folders[name], *arguments] for name, arguments in CASES.items()], f)
-    subprocess.run([python, SAVE_SCRIPT, "--batch", batch], check=True, timeout=1200, env=env)
-    return folders
+    return write_cases(megatron_python(MEGATRON_CACHE), SAVE_SCRIPT, root, CASES, timeout=1200)
 
 
 def source_of(folder: str) -> tuple[str, list[str]]:

@@ -52,6 +52,21 @@ def share_torch(python: str) -> None:
         handle.write(shared + "\n")
 
 
+def write_cases(python: str, script: str, root: str, cases: dict[str, list[str]], timeout: float) -> dict[str, str]:
+    """Run writer `script` once with `python` (a virtualenv's), saving every case of `cases`
+    (name: the script's arguments) into `root/<name>` (`--out`), all in one process through its
+    `--batch FILE`; the folder of each case, by name. The session's Ray address is not passed on."""
+    import json
+
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    folders = {name: os.path.join(root, name) for name in cases}
+    batch = os.path.join(root, "cases.json")
+    with open(batch, "w") as f:
+        json.dump([["--out", folders[name], *arguments] for name, arguments in cases.items()], f)
+    subprocess.run([python, script, "--batch", batch], check=True, timeout=timeout, env=env)
+    return folders
+
+
 def build_all() -> None:
     """Every virtualenv the tests use: `python tests/support/virtualenvs.py`, which CI starts
     beside the tests so that the builds overlap them (a test needing one waits for its build)."""
