@@ -124,11 +124,12 @@ def verl_python() -> str:
 
 def rayexport_run(
     src: str, dst: str, workers: int, writers: int, bucket_size: str, env: dict[str, str], report: str, verify: str = "none",
+    extra: tuple[str, ...] = (),
 ) -> tuple[float, dict]:
     command = [
         sys.executable, "-m", "rayexport.run", "--src", src, "--dst", dst, "--workers", str(workers),
         "--writers", str(writers), "--verify", verify, "--bucket-size", bucket_size, "--report", report,
-        "--log-level", "WARNING",
+        "--log-level", "WARNING", *extra,
     ]
     seconds, _ = measure(command, env)
     with open(report) as handle:

@@ -122,7 +122,7 @@ def test_a_save_rayexport_cannot_read_is_one_line_before_any_worker_starts(deeps
 
 def test_a_pickle_naming_another_class_is_refused_by_name(deepspeed_checkpoints, tmp_path):
     """The files are never `torch.load`ed: their records are unpickled from an allow-list."""
-    save = copy_of(deepspeed_checkpoints["zero2-tied"], tmp_path)
+    save = copy_of(deepspeed_checkpoints["zero2-tied-two-groups"], tmp_path)
     path = os.path.join(save, "global_step2", "mp_rank_00_model_states.pt")
     record = {"param_shapes": [{"w": torch.Size([2])}], "dp_world_size": 1, "payload": sys.exit}
     torch.save(record, path)

@@ -5,12 +5,12 @@ Run with a Python that `deepspeed_env.deepspeed_python` made (DeepSpeed 0.19.8, 
 project's:
 
     python deepspeed_save.py --out DIR --stage 1|2|3 [--dtype float32|bfloat16] --tied|--untied
-        [--world N] [--zero-init] [--lora] [--layout trainer|openrlhf] [--steps N]
+        [--world N] [--zero-init] [--lora] [--layout trainer|openrlhf] [--steps N] [--groups 1|2]
     python deepspeed_save.py --batch FILE   # FILE: a JSON list of such argument lists
 
 Everything that decides what lands on disk is DeepSpeed's own code: `deepspeed.initialize` of a
 transformers Llama model (odd sizes, so that ZeRO pads partitions and parameters straddle ranks)
-with a client `torch.optim.AdamW`, on `--world` gloo ranks (default 2), `--steps` training steps
+with a client `torch.optim.AdamW` (with `--groups 2`, Trainer's two parameter groups), on `--world` gloo ranks (default 2), `--steps` training steps
 (default 2), and `engine.save_checkpoint(dir, tag="global_step<steps>")`, which writes `latest`,
 `zero_to_fp32.py` and the tag folder. ZeRO-3 partitions every parameter
 (`stage3_param_persistence_threshold: 0`; a tiny model's would otherwise stay whole); with
@@ -99,6 +99,19 @@ def build_model(args: argparse.Namespace, config: dict):
     return model
 
 
+def parameter_groups(model, groups: int) -> list[dict]:
+    """The optimizer's parameter groups: one, or two as transformers' Trainer makes them (weight
+    decay for matrices, none for norms), so that ZeRO keeps a flat buffer per group."""
+    trained = [param for param in model.parameters() if param.requires_grad]
+    if groups == 1:
+        return [{"params": trained}]
+
+    def is_matrix(param):
+        return len(getattr(param, "ds_shape", param.shape)) > 1
+    return [{"params": [param for param in trained if is_matrix(param)], "weight_decay": 0.01},
+            {"params": [param for param in trained if not is_matrix(param)], "weight_decay": 0.0}]
+
+
 def checkpoint_dir(args: argparse.Namespace) -> str:
     return os.path.join(args.out, f"checkpoint-{args.steps}" if args.layout == "trainer" else "_actor")
 
@@ -116,7 +129,7 @@ def run_rank(rank: int, args: argparse.Namespace, world: int, rendezvous: str) -
     deepspeed.init_distributed(dist_backend="gloo")
     config = ds_config(args)
     model = build_model(args, config)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(parameter_groups(model, args.groups), lr=LR, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     for step in range(1, args.steps + 1):
         generator = torch.Generator().manual_seed(SEED + 1000 * step + rank)
@@ -169,6 +182,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--layout", choices=["trainer", "openrlhf"], default="trainer")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--groups", type=int, choices=[1, 2], default=1, help="optimizer parameter groups")
     args = parser.parse_args(argv)
     if args.zero_init and args.stage != 3:
         parser.error("--zero-init takes --stage 3")
