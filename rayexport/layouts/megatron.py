@@ -78,7 +78,7 @@ class MegatronLayout:
 
     def snapshot(self, store: Store, names: list[str]) -> dict[str, int] | None:
         try:
-            folder, _ = checkpoint_folder(store)
+            folder, _ = checkpoint_folder(store, names=names)
         except ExportError:
             return None  # no iteration folder, or not the tracked one, written yet
         below = folder.uri[len(store.uri):].strip("/")
@@ -89,11 +89,11 @@ class MegatronLayout:
         return None if found is None else {f"{below}/{name}" if below else name: size for name, size in found.items()}
 
 
-def checkpoint_folder(store: Store, step: int | None = None) -> tuple[Store, Store]:
-    """The folder of the torch_dist files that `store` names (of a Megatron-LM save folder, its
-    iteration `step`, by default the tracked one), and where the Hugging Face config and
-    tokenizer would be beside it (verl's `huggingface/`)."""
-    names = store.list()
+def checkpoint_folder(store: Store, step: int | None = None, names: list[str] | None = None) -> tuple[Store, Store]:
+    """The folder of the torch_dist files that `store` (whose files are `names`, when listed
+    already) names (of a Megatron-LM save folder, its iteration `step`, by default the tracked
+    one), and where the Hugging Face config and tokenizer would be beside it (verl's `huggingface/`)."""
+    names = store.list() if names is None else names
     if step is not None:
         return store.child(_iteration(store, step)), store.child(HF_DIR)
     if MEGATRON_METADATA in names or DCP_METADATA in names:
