@@ -29,12 +29,10 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # support: the tests' model configs and virtualenvs
 
-MiB = 2**20
 
 
 def write_checkpoint(save: str, world: int) -> None:
@@ -101,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         write_checkpoint(args.write_checkpoint[0], int(args.write_checkpoint[1]))
         return 0
 
-    from export_bench import measure, parse_size, rayexport_run
+    from export_bench import against_rayexport, measure, parse_size, print_against
     from support.deepspeed_env import deepspeed_python
     from support.models import sized_llama_config
     from support.virtualenvs import DEEPSPEED_CACHE
@@ -119,38 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(os.path.getsize(os.path.join(tag, name)) for name in os.listdir(tag))
     out, report_path = os.path.join(args.workdir, "out"), os.path.join(args.workdir, "report.json")
 
-    import ray
-
-    started = time.perf_counter()
-    ray.init(num_cpus=args.workers + 1, include_dashboard=False, logging_level="WARNING")
-    ray_start_s = time.perf_counter() - started
-    ray_env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     converter = [deepspeed, os.path.join(save, "zero_to_fp32.py"), save, out, "--safe_serialization"]
-    rows = []
-    try:
-        for warming in (True, False):
-            shutil.rmtree(out, ignore_errors=True)
-            seconds, peak = measure(converter, env)
-            if not warming:
-                rows.append({"run": "DeepSpeed's zero_to_fp32.py (one process)", "wall_s": seconds, "peak_bytes": peak})
-            for level in levels:
-                shutil.rmtree(out, ignore_errors=True)
-                seconds, report = rayexport_run(save, out, args.workers, 1, args.bucket_size, ray_env, report_path, level,
-                                                ("--dtype", "float32"))
-                if not warming:
-                    process, peak = max(report["peak_rss_bytes"].items(), key=lambda item: item[1])
-                    rows.append({"run": f"rayexport, `--verify {level}`", "wall_s": seconds, "peak_bytes": peak,
-                                 "largest": process, "stages": report["seconds"]})
-    finally:
-        ray.shutdown()
-        shutil.rmtree(out, ignore_errors=True)
-    base = rows[0]["wall_s"]
+    ray_start_s, rows = against_rayexport(("DeepSpeed's zero_to_fp32.py (one process)", converter, env), save, out, levels,
+                                          args.workers, args.bucket_size, report_path, ("--dtype", "float32"))
     print(f"\n{nbytes / 1e9:.2f} GB on disk ({args.size} of fp32 weights, Adam's moments beside), ZeRO-3 over "
           f"{args.world_size} ranks; rayexport {args.workers} workers, joined to a Ray head (its start: {ray_start_s:.1f} s)\n")
-    print("| run | wall s | x zero_to_fp32 | largest process |\n| --- | ---: | ---: | --- |")
-    for row in rows:
-        where = f" ({row['largest']})" if "largest" in row else ""
-        print(f"| {row['run']} | {row['wall_s']:.1f} | {row['wall_s'] / base:.2f} | {row['peak_bytes'] / MiB:.0f} MiB{where} |")
+    print_against(rows, "x zero_to_fp32")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"nbytes": nbytes, "ray_start_s": ray_start_s, "runs": rows}, handle, indent=1)

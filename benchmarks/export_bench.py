@@ -136,6 +136,50 @@ def rayexport_run(
         return seconds, json.load(handle)
 
 
+def against_rayexport(
+    baseline: tuple[str, list[str], dict[str, str] | None], src: str, out: str, levels: list[str], workers: int,
+    bucket_size: str, report: str, extra: tuple[str, ...] = (),
+) -> tuple[float, list[dict]]:
+    """One baseline `(name, command, env)` against rayexport's command line at each `--verify`
+    level, on `src`, each run once unmeasured first (both sides warm), then measured; rayexport
+    joined to a Ray head started here once (its start, returned first, is not in its walls). The
+    rows: run, wall_s and peak_bytes (and for rayexport the largest process and its stages)."""
+    import ray
+
+    name, command, env = baseline
+    started = time.perf_counter()
+    ray.init(num_cpus=workers + 1, include_dashboard=False, logging_level="WARNING")
+    ray_start_s = time.perf_counter() - started
+    ray_env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    rows = []
+    try:
+        for warming in (True, False):
+            shutil.rmtree(out, ignore_errors=True)
+            seconds, peak = measure(command, env)
+            if not warming:
+                rows.append({"run": name, "wall_s": seconds, "peak_bytes": peak})
+            for level in levels:
+                shutil.rmtree(out, ignore_errors=True)
+                seconds, measured = rayexport_run(src, out, workers, 1, bucket_size, ray_env, report, level, extra)
+                if not warming:
+                    process, peak = max(measured["peak_rss_bytes"].items(), key=lambda item: item[1])
+                    rows.append({"run": f"rayexport, `--verify {level}`", "wall_s": seconds, "peak_bytes": peak,
+                                 "largest": process, "stages": measured["seconds"]})
+    finally:
+        ray.shutdown()
+        shutil.rmtree(out, ignore_errors=True)
+    return ray_start_s, rows
+
+
+def print_against(rows: list[dict], ratio: str) -> None:
+    """`against_rayexport`'s rows as a table, each wall also as a multiple of the baseline's."""
+    base = rows[0]["wall_s"]
+    print(f"| run | wall s | {ratio} | largest process |\n| --- | ---: | ---: | --- |")
+    for row in rows:
+        where = f" ({row['largest']})" if "largest" in row else ""
+        print(f"| {row['run']} | {row['wall_s']:.1f} | {row['wall_s'] / base:.2f} | {row['peak_bytes'] / MiB:.0f} MiB{where} |")
+
+
 def remove(uri: str, s3) -> None:
     if uri.startswith("s3://"):
         if s3.exists(uri):

@@ -30,17 +30,15 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # support: the tests' model configs
 
-from export_bench import measure, parse_size, rayexport_run  # noqa: E402
+from export_bench import against_rayexport, parse_size, print_against  # noqa: E402
 from support.models import sized_llama_config  # noqa: E402
 
-MiB = 2**20
 TORCH_DIST = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch"}
 
 
@@ -170,37 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
     out, report_path = os.path.join(args.workdir, "out"), os.path.join(args.workdir, "report.json")
 
-    import ray
-
-    started = time.perf_counter()
-    ray.init(num_cpus=args.workers + 1, include_dashboard=False, logging_level="WARNING")
-    ray_start_s = time.perf_counter() - started
-    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-    baseline = [sys.executable, os.path.abspath(__file__), "--single-process", actor, out]
-    rows = []
-    try:
-        for warming in (True, False):
-            shutil.rmtree(out, ignore_errors=True)
-            seconds, peak = measure(baseline)
-            if not warming:
-                rows.append({"run": "dcp_to_torch_save, then convert (one process)", "wall_s": seconds, "peak_bytes": peak})
-            for level in levels:
-                shutil.rmtree(out, ignore_errors=True)
-                seconds, report = rayexport_run(actor, out, args.workers, 1, args.bucket_size, env, report_path, level)
-                if not warming:
-                    process, peak = max(report["peak_rss_bytes"].items(), key=lambda item: item[1])
-                    rows.append({"run": f"rayexport, `--verify {level}`", "wall_s": seconds, "peak_bytes": peak,
-                                 "largest": process, "stages": report["seconds"]})
-    finally:
-        ray.shutdown()
-        shutil.rmtree(out, ignore_errors=True)
-    base = rows[0]["wall_s"]
+    baseline = ("dcp_to_torch_save, then convert (one process)",
+                [sys.executable, os.path.abspath(__file__), "--single-process", actor, out], None)
+    ray_start_s, rows = against_rayexport(baseline, actor, out, levels, args.workers, args.bucket_size, report_path)
     print(f"\n{nbytes / 1e9:.2f} GB, {config.num_hidden_layers} layers, world size {args.world_size}; "
           f"rayexport {args.workers} workers, joined to a Ray head (its start: {ray_start_s:.1f} s)\n")
-    print("| run | wall s | x one process | largest process |\n| --- | ---: | ---: | --- |")
-    for row in rows:
-        where = f" ({row['largest']})" if "largest" in row else ""
-        print(f"| {row['run']} | {row['wall_s']:.1f} | {row['wall_s'] / base:.2f} | {row['peak_bytes'] / MiB:.0f} MiB{where} |")
+    print_against(rows, "x one process")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"nbytes": nbytes, "layers": config.num_hidden_layers, "ray_start_s": ray_start_s, "runs": rows},
