@@ -345,12 +345,12 @@ def _read_rank(store: Store, rank: int, sources: tuple[Source, ...], spool_dir: 
     """One rank's sources as views of its buffers' bytes, memory-mapped from the files (a remote
     file's needed bytes spooled to one local file first)."""
     spool = None if store.is_local else os.path.join(spool_dir, f"deepspeed-rank-{rank}.bin")
+    byte_starts = {(source.file, source.tensor.key): source.byte_start for source in sources}
     placed: dict[tuple[str, str], tuple[str, int, int]] = {}  # (file, storage) -> path, byte offset, first element
     with open(spool, "wb") if spool else contextlib.nullcontext() as out:
         for (name, key), (tensor, low, high) in _spans(sources).items():
             item = dtype_of(tensor.dtype).itemsize
-            byte_start = next(source.byte_start for source in sources if (source.file, source.tensor.key) == (name, key))
-            begin, end = byte_start + low * item, byte_start + high * item
+            begin, end = byte_starts[name, key] + low * item, byte_starts[name, key] + high * item
             if spool is None:
                 placed[name, key] = store.path(name), begin, low
                 continue
@@ -359,11 +359,14 @@ def _read_rank(store: Store, rank: int, sources: tuple[Source, ...], spool_dir: 
                 data = store.read_range(name, block, min(end, block + _READ_BLOCK))
                 out.write(data)
                 spooled(len(data))
+    spans = _spans(sources)
+    mapped = {  # each span mapped once; every source is a view of its span
+        key: _map(path, offset, spans[key][2] - low, spans[key][0].dtype) for key, (path, offset, low) in placed.items()
+    }
     tensors = {}
     for source in sources:
-        path, offset, low = placed[source.file, source.tensor.key]
-        item = dtype_of(source.tensor.dtype).itemsize
-        view = _map(path, offset + (source.at - low) * item, source.length, source.tensor.dtype)
+        low = placed[source.file, source.tensor.key][2]
+        view = mapped[source.file, source.tensor.key][source.at - low:source.at - low + source.length]
         tensors[source.name] = view if source.start is not None else view.view(source.shape)
     paths = [spool] if spool else sorted({store.path(source.file) for source in sources})
     return RunTensors(tensors, {source.name: source for source in sources}, paths)
