@@ -33,3 +33,24 @@ def test_a_pipeline_parallel_save_is_refused_by_its_file(tmp_path):
     folder = folder_with(tmp_path / "global_step2", {"layer_01-model_00-model_states.pt": b"x", "mp_rank_00_model_states.pt": b"x"})
     with pytest.raises(ExportError, match="layer_01-model_00-model_states.pt' is a pipeline or tensor parallel DeepSpeed save"):
         read_checkpoint(folder, folder)
+
+
+def test_16_bit_weights_that_are_views_of_one_flat_buffer_are_read_each_from_its_offset(tmp_path):
+    """ZeRO-1/2's model states save each 16-bit weight as a view of one flat buffer: one storage,
+    a different offset each."""
+    import torch
+
+    from rayexport.layouts.deepspeed import MODEL_STATES_RANK
+    from rayexport.storage.store import Store
+
+    flat = torch.arange(10, dtype=torch.float16)
+    weights = {"a.weight": flat[:6].view(2, 3), "b.weight": flat[6:]}
+    (tmp_path / "global_step2").mkdir()
+    torch.save({"module": weights, "param_shapes": [{name: weight.shape for name, weight in weights.items()}],
+                "dp_world_size": 1, "buffer_names": []}, tmp_path / "global_step2" / "mp_rank_00_model_states.pt")
+    folder = Store(str(tmp_path / "global_step2"))
+    checkpoint = read_checkpoint(folder, Store(str(tmp_path)))
+    assert checkpoint.layout == "deepspeed-16bit"
+    read = checkpoint.read([MODEL_STATES_RANK], str(tmp_path), lambda count: None)[MODEL_STATES_RANK]
+    for name, weight in weights.items():
+        assert torch.equal(read.tensors[name], weight), name

@@ -58,8 +58,9 @@ _READ_BLOCK = 16 * 2**20  # a remote buffer is spooled in ranged reads of this s
 @dataclass(frozen=True)
 class Source:
     """A run of elements one (pseudo-)rank holds: parameter `name` (of `shape`)'s elements from
-    `start` (None: all of it), the `length` elements of `tensor` from `at`, whose bytes start at
-    byte `byte_start` of `file`."""
+    `start` (None: all of it), the `length` elements of `tensor`'s storage from element `at`; the
+    storage's bytes start at byte `byte_start` of `file`. Counted from the storage, not the tensor,
+    since tensors can share one (ZeRO-1/2's 16-bit weights are views of one flat buffer)."""
 
     name: str
     shape: tuple[int, ...]
@@ -256,12 +257,10 @@ def _optimizer_sources(
     else:
         partitions = [[buffers[rank][group].numel for rank in range(world)] for group in range(len(buffers[0]))]
         runs = partitioned_runs(shapes, partitions, states[0].get("param_alignment_paddings"))
-    starts = {rank: [zips[rank].byte_range(group)[0] for group in buffers[rank]] for rank in range(world)}
     shape_of = {name: shape for group in shapes for name, shape in group.items()}
     return stage, {
         rank: tuple(
-            Source(run.name, shape_of[run.name], zips[rank].name, buffers[rank][run.buffer], starts[rank][run.buffer],
-                   run.at, run.length, run.start)
+            _source(zips[rank], run.name, shape_of[run.name], buffers[rank][run.buffer], run.at, run.length, run.start)
             for run in runs[rank] if run.length
         )
         for rank in range(world)
@@ -281,8 +280,7 @@ def _add_partitioned_frozen(
             if not isinstance(fragment, TensorRef):
                 raise ExportError(f"'{zips[rank].display}' holds no fragment of frozen parameter '{names[run.buffer]}'")
             if run.length:
-                added.append(Source(run.name, frozen[run.name], zips[rank].name, fragment, zips[rank].byte_range(fragment)[0],
-                                    0, run.length, run.start))
+                added.append(_source(zips[rank], run.name, frozen[run.name], fragment, 0, run.length, run.start))
         sources[rank] = sources.get(rank, ()) + tuple(added)
 
 
@@ -294,8 +292,15 @@ def _whole(file: TorchZip, names: list[str], field_name: str = "module") -> tupl
         tensor = held.get(name)
         if not isinstance(tensor, TensorRef):
             raise ExportError(f"'{file.display}' holds no tensor '{name}' in {field_name}")
-        found.append(Source(name, tensor.shape, file.name, tensor, file.byte_range(tensor)[0], 0, tensor.numel, None))
+        found.append(_source(file, name, tensor.shape, tensor, 0, tensor.numel, None))
     return tuple(found)
+
+
+def _source(file: TorchZip, name: str, shape: tuple[int, ...], tensor: TensorRef, at: int, length: int,
+            start: int | None) -> Source:
+    """The `Source` of `length` elements of `tensor` from its element `at`."""
+    storage_start = file.byte_range(tensor)[0] - tensor.storage_offset * dtype_of(tensor.dtype).itemsize
+    return Source(name, shape, file.name, tensor, storage_start, tensor.storage_offset + at, length, start)
 
 
 def _flat_names(shapes: list[dict]) -> list[str]:
