@@ -27,10 +27,11 @@ def test_a_record_holds_references_whose_bytes_are_the_tensors(tmp_path):
     weights = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     half = torch.arange(5, dtype=torch.bfloat16)
     store = saved(tmp_path, {"w": weights, "view": weights[1], "h": half, "shape": torch.Size([3, 4]),
-                             "ordered": collections.OrderedDict(a=1), "param": torch.nn.Parameter(half.float())})
+                             "ordered": collections.OrderedDict(a=1), "param": torch.nn.Parameter(half.float()),
+                             "dtype": torch.float16})
     file = TorchZip(store, "states.pt")
     record = file.record
-    assert record["shape"] == (3, 4) and record["ordered"] == {"a": 1}
+    assert record["shape"] == (3, 4) and record["ordered"] == {"a": 1} and record["dtype"] == "float16"
     for name, tensor in (("w", weights), ("view", weights[1]), ("h", half), ("param", half.float())):
         reference = record[name]
         assert isinstance(reference, TensorRef) and reference.shape == tuple(tensor.shape) and reference.dtype == str(tensor.dtype)[6:]

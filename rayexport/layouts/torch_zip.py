@@ -29,6 +29,7 @@ STORAGE_DTYPES = {
     "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
     "ByteStorage": "uint8", "BoolStorage": "bool",
 }
+_DTYPE_NAMES = frozenset(STORAGE_DTYPES.values())
 _ZIP_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip member's local header, before its name and extra field
 
 
@@ -115,6 +116,8 @@ class _RecordUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == "torch" and name in STORAGE_DTYPES:
             return STORAGE_DTYPES[name]
+        if module == "torch" and name in _DTYPE_NAMES:  # a dtype as a value (fp16 training's loss scaler holds one)
+            return name
         if (module, name) in _TORCH_GLOBALS:
             return _TORCH_GLOBALS[module, name]
         if (module, name) == ("collections", "OrderedDict"):
