@@ -2,6 +2,7 @@
 
     python benchmarks/deepspeed_bench.py                      # 2.4 GB of fp32 weights, world size 4
     python benchmarks/deepspeed_bench.py --size 1GB --verify none,full --workers 2
+    python benchmarks/deepspeed_bench.py --size 12GB --verify full --cap 22GiB   # larger than memory
 
 The checkpoint is synthetic, in DeepSpeed's own format: a Llama config sized so that its fp32
 master weights take `--size`, each of `--world-size` ranks' files holding its ZeRO-3 partition of
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="rayexport workers (default 2)")
     parser.add_argument("--bucket-size", default="256MiB", help="rayexport --bucket-size (default 256MiB)")
     parser.add_argument("--verify", default="none,full", help="rayexport --verify levels (default none,full)")
+    parser.add_argument("--cap", metavar="SIZE",
+                        help="run zero_to_fp32.py inside a cgroup-v1 memory cap of SIZE (for a checkpoint larger than memory)")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "rayexport-deepspeed-bench"))
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     parser.add_argument("--write-checkpoint", nargs=2, metavar=("SAVE", "WORLD"), help=argparse.SUPPRESS)
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     converter = [deepspeed, os.path.join(save, "zero_to_fp32.py"), save, out, "--safe_serialization"]
     ray_start_s, rows = against_rayexport(("DeepSpeed's zero_to_fp32.py (one process)", converter, env), save, out, levels,
-                                          args.workers, args.bucket_size, report_path, ("--dtype", "float32"))
+                                          args.workers, args.bucket_size, report_path, ("--dtype", "float32"),
+                                          parse_size(args.cap) if args.cap else None)
     print(f"\n{nbytes / 1e9:.2f} GB on disk ({args.size} of fp32 weights, Adam's moments beside), ZeRO-3 over "
           f"{args.world_size} ranks; rayexport {args.workers} workers, joined to a Ray head (its start: {ray_start_s:.1f} s)\n")
     print_against(rows, "x zero_to_fp32")

@@ -77,6 +77,29 @@ def measure(command: list[str], env: dict[str, str] | None = None) -> tuple[floa
     return seconds, usage.ru_maxrss * 1024
 
 
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+def measure_capped(command: list[str], env: dict[str, str] | None, cap_bytes: int) -> tuple[float, int, int]:
+    """Run `command` inside a cgroup-v1 memory cap of `cap_bytes` (so that a baseline that needs
+    more than the machine has is killed by the kernel inside its cap, not the machine taken down):
+    its wall seconds, peak RSS and exit code (negative: the signal that ended it)."""
+    group = os.path.join(CGROUP_ROOT, f"rayexport-bench-{os.getpid()}")
+    os.makedirs(group)
+    try:
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as handle:
+            handle.write(str(cap_bytes))
+        started = time.perf_counter()
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: open(os.path.join(group, "cgroup.procs"), "w").write(str(os.getpid())),
+        )
+        _, status, usage = os.wait4(process.pid, 0)
+        return time.perf_counter() - started, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status)
+    finally:
+        os.rmdir(group)
+
+
 # moto's S3 server in a process of its own, on a port the OS picks as the server binds it (a port
 # picked first and released could be taken by another process before the server binds it); it
 # prints the port, then serves until it is ended.
@@ -138,12 +161,13 @@ def rayexport_run(
 
 def against_rayexport(
     baseline: tuple[str, list[str], dict[str, str] | None], src: str, out: str, levels: list[str], workers: int,
-    bucket_size: str, report: str, extra: tuple[str, ...] = (),
+    bucket_size: str, report: str, extra: tuple[str, ...] = (), cap_bytes: int | None = None,
 ) -> tuple[float, list[dict]]:
     """One baseline `(name, command, env)` against rayexport's command line at each `--verify`
     level, on `src`, each run once unmeasured first (both sides warm), then measured; rayexport
-    joined to a Ray head started here once (its start, returned first, is not in its walls). The
-    rows: run, wall_s and peak_bytes (and for rayexport the largest process and its stages)."""
+    joined to a Ray head started here once (its start, returned first, is not in its walls). With
+    `cap_bytes` the baseline runs inside that memory cap (`measure_capped`) and may be killed. The
+    rows: run, wall_s and peak_bytes (the baseline's `exit`, rayexport's largest process and stages)."""
     import ray
 
     name, command, env = baseline
@@ -155,9 +179,9 @@ def against_rayexport(
     try:
         for warming in (True, False):
             shutil.rmtree(out, ignore_errors=True)
-            seconds, peak = measure(command, env)
+            seconds, peak, code = measure_capped(command, env, cap_bytes) if cap_bytes else (*measure(command, env), 0)
             if not warming:
-                rows.append({"run": name, "wall_s": seconds, "peak_bytes": peak})
+                rows.append({"run": name, "wall_s": seconds, "peak_bytes": peak, "exit": code})
             for level in levels:
                 shutil.rmtree(out, ignore_errors=True)
                 seconds, measured = rayexport_run(src, out, workers, 1, bucket_size, ray_env, report, level, extra)
@@ -172,12 +196,16 @@ def against_rayexport(
 
 
 def print_against(rows: list[dict], ratio: str) -> None:
-    """`against_rayexport`'s rows as a table, each wall also as a multiple of the baseline's."""
-    base = rows[0]["wall_s"]
+    """`against_rayexport`'s rows as a table, each wall also as a multiple of the baseline's (none
+    where the baseline did not finish: killed at its memory cap)."""
+    finished = rows[0].get("exit", 0) == 0
     print(f"| run | wall s | {ratio} | largest process |\n| --- | ---: | ---: | --- |")
     for row in rows:
         where = f" ({row['largest']})" if "largest" in row else ""
-        print(f"| {row['run']} | {row['wall_s']:.1f} | {row['wall_s'] / base:.2f} | {row['peak_bytes'] / MiB:.0f} MiB{where} |")
+        if row.get("exit", 0) != 0:
+            where += f", ended with exit {row['exit']}: killed at its memory cap" if row["exit"] == -9 else f", exit {row['exit']}"
+        multiple = f"{row['wall_s'] / rows[0]['wall_s']:.2f}" if finished else "-"
+        print(f"| {row['run']} | {row['wall_s']:.1f} | {multiple} | {row['peak_bytes'] / MiB:.0f} MiB{where} |")
 
 
 def remove(uri: str, s3) -> None:

@@ -25,17 +25,15 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
-from export_bench import BUCKET, S3_ENV, measure, parse_size, remove, start_moto, verl_python  # puts tests/ on sys.path
+from export_bench import BUCKET, S3_ENV, measure, measure_capped, parse_size, remove, start_moto, verl_python  # puts tests/ on sys.path
 
 from support.checkpoints import write_synthetic_checkpoint
 from support.models import sized_llama_config
 
 GiB = 2**30
-CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 
 def checkpoint(workdir: str, size: str, layout: str, one_rank_at_a_time: bool, conditioned: bool = False) -> tuple[str, int]:
@@ -81,22 +79,8 @@ def verl_capped(src: str, out: str, cap_bytes: int | None) -> dict:
     if cap_bytes is None:
         wall, rss = measure(command, env)
         return {"wall_s": wall, "peak_rss_bytes": rss, "finished": True}
-    group = os.path.join(CGROUP_ROOT, f"rayexport-bench-verl-{os.getpid()}")
-    os.makedirs(group)
-    try:
-        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as handle:
-            handle.write(str(cap_bytes))
-        started = time.perf_counter()
-        process = subprocess.Popen(
-            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=lambda: open(os.path.join(group, "cgroup.procs"), "w").write(str(os.getpid())),
-        )
-        _, status, usage = os.wait4(process.pid, 0)
-        wall = time.perf_counter() - started
-        return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024, "finished": os.waitstatus_to_exitcode(status) == 0,
-                "exit": os.waitstatus_to_exitcode(status)}
-    finally:
-        os.rmdir(group)
+    wall, rss, code = measure_capped(command, env, cap_bytes)
+    return {"wall_s": wall, "peak_rss_bytes": rss, "finished": code == 0, "exit": code}
 
 
 def stages_s(report: dict) -> float:
