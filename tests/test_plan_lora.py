@@ -119,7 +119,7 @@ def test_planned_merge_equals_peft_merge_and_unload(layer, use_rslora, first_row
 
 
 @pytest.mark.parametrize("fan_in_fan_out", [False, True])
-def test_a_box_of_the_weight_merges_bit_for_bit_as_in_the_whole(fan_in_fan_out):
+def test_a_box_or_run_of_the_weight_merges_bit_for_bit_as_in_the_whole(fan_in_fan_out):
     """A worker holding one shard of W recomputes exactly the bytes the exporter wrote for it
     (the verification's reference), whatever blocks either merge runs in."""
     generator = torch.Generator().manual_seed(0)
@@ -131,6 +131,10 @@ def test_a_box_of_the_weight_merges_bit_for_bit_as_in_the_whole(fan_in_fan_out):
     for rows, columns in ((slice(300, 777), slice(0, 1000)), (slice(1050, 1100), slice(250, 600)), (slice(5, 5), slice(0, 9))):
         box = torch.cat(list(merge_lora(base[rows, columns], a, b, 0.7, fan_in_fan_out, (rows.start, columns.start))))
         assert torch.equal(box, whole[rows, columns])
+    flat = base.reshape(-1)
+    for start, stop in ((0, flat.numel()), (123_457, 654_321), (999, 1001), (7, 7)):  # runs, as ZeRO-3 partitions W
+        run = torch.cat(list(merge_lora(flat[start:stop], a, b, 0.7, fan_in_fan_out, (start,))))
+        assert torch.equal(run, whole.reshape(-1)[start:stop]), (start, stop)
     delta = b @ a
     torch.testing.assert_close(whole, base.float() + 0.7 * (delta.T if fan_in_fan_out else delta), rtol=1e-5, atol=1e-4)
 

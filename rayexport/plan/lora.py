@@ -137,7 +137,12 @@ def merge_lora(
     consecutive blocks of rows; the delta is transposed for a `fan_in_fan_out` weight, stored
     (in, out), as peft merges it. A is (r, in) and B (out, r) whole; `base` is W, or the box of
     W at `offset`, whose merge comes out bit for bit as in the whole W's (a worker holding one
-    shard of W can recompute its part of an exported merge exactly)."""
+    shard of W can recompute its part of an exported merge exactly). A 1-D `base` with a
+    one-element `offset` is a run of W's flattened elements from that element (ZeRO-3's
+    partition of W), merged as in the whole W too."""
+    if base.dim() == 1 and len(offset) == 1:
+        yield from _merge_run(base, a, b, scale, fan_in_fan_out, offset[0])
+        return
     top, left = offset
     height, width = base.shape
     rows = max(1, MERGE_BLOCK // max(width, 1))
@@ -148,6 +153,25 @@ def merge_lora(
         else:
             delta = _lora_delta(b[top + start:top + stop], a[:, left:left + width])
         yield base[start:stop].float() + delta * scale
+
+
+def _merge_run(
+    run: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, fan_in_fan_out: bool, start: int,
+) -> Iterator[torch.Tensor]:
+    """`merge_lora` of the run of W's flattened elements [start, start + len(run)): the delta of
+    each block of the rows it touches, flattened, and the run's part of it added."""
+    width = b.shape[0] if fan_in_fan_out else a.shape[1]
+    end = start + run.numel()
+    if end == start or width == 0:
+        yield run.float()
+        return
+    rows = max(1, MERGE_BLOCK // width)
+    last = (end + width - 1) // width
+    for top in range(start // width, last, rows):
+        bottom = min(top + rows, last)
+        delta = _lora_delta(b, a[:, top:bottom]).T if fan_in_fan_out else _lora_delta(b[top:bottom], a)
+        low, high = max(start, top * width), min(end, bottom * width)
+        yield run[low - start:high - start].float() + delta.reshape(-1)[low - top * width:high - top * width] * scale
 
 
 def _lora_delta(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from rayexport.plan.lora import (
     LoraSettings, LoraTarget, adapter_tensor_name, is_peft_checkpoint, lora_settings, split_peft_names,
 )
 from rayexport.plan.megatron import megatron_names
-from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, is_run, tensor_pieces
+from rayexport.plan.pieces import BASE_MODEL_RANK, Piece, tensor_pieces
 from rayexport.plan.shards import ShardInfo
 from rayexport.plan.ties import TieResolution, resolve_tied_names
 from rayexport.plan.torchtitan import torchtitan_names
@@ -236,11 +236,6 @@ def _plan_lora(
         weight = f"{target.module}.weight"
         if weight not in plans:
             raise ExportError(f"LoRA module '{target.module}' has no base weight '{weight}'")
-        if lora.mode in ("merge", "both") and any(is_run(piece, plans[weight].shape) for piece in plans[weight].pieces):
-            raise ExportError(
-                f"LoRA module '{target.module}': its base weight is saved flattened across ranks (ZeRO-3), which "
-                f"rayexport does not merge into; export with --lora adapter"
-            )
         if len(plans[weight].shape) != 2:
             raise ExportError(
                 f"LoRA module '{target.module}' has a {len(plans[weight].shape)}-D weight; only LoRA on "
