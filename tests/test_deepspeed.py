@@ -32,6 +32,18 @@ def zero_to_fp32(folder: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(folder, "reference", "zero_to_fp32.safetensors"))
 
 
+def copy_of(folder: str, tmp_path) -> str:
+    copy = str(tmp_path / "save")
+    shutil.copytree(os.path.join(folder, "checkpoint-2"), copy)
+    return copy
+
+
+def published_dtype(case: str) -> torch.dtype:
+    """What `--dtype auto` publishes fp32 masters in: float16 for a float16 run (its config says
+    so), bfloat16 otherwise."""
+    return torch.float16 if "float16" in CASES[case] else torch.bfloat16
+
+
 def export(folder: str, out: str, *extra: str) -> dict:
     source, options = source_of(folder)
     report = os.path.join(os.path.dirname(out), "report.json")
@@ -47,17 +59,42 @@ def test_an_export_is_deepspeeds_own_conversion_in_the_published_dtype(deepspeed
     assert report["layout"].startswith("deepspeed-zero") and report["verification"]["level"] == "full"
     reference, exported = zero_to_fp32(folder), exported_tensors(out)
     assert set(exported) == set(reference)  # a tied head: saved once, by both
-    for name, tensor in reference.items():  # fp32 masters, published in bfloat16 (--dtype auto)
-        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], tensor.to(torch.bfloat16)), name
+    published = published_dtype(case)
+    for name, tensor in reference.items():
+        assert exported[name].dtype == published and torch.equal(exported[name], tensor.to(published)), name
     config = json.loads(open(os.path.join(out, "config.json")).read())
-    assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] == ("--tied" in CASES[case])
+    assert config["dtype"] == str(published)[6:] and config["tie_word_embeddings"] == ("--tied" in CASES[case])
     assert not {"latest", "zero_to_fp32.py", "trainer_state.json"} & set(os.listdir(out))  # DeepSpeed's, not the model's
 
 
-def test_lora_under_zero2_is_merged_into_its_frozen_base(deepspeed_checkpoints, tmp_path):
-    """The base weights are frozen parameters (kept whole in the model states), the adapters trained."""
-    folder, out = deepspeed_checkpoints["zero2-lora"], str(tmp_path / "out")
-    export(folder, out, "--lora-alpha", "8", "--dtype", "float32")
+def test_a_zero1_save_without_optimizer_states_exports_its_16_bit_weights_and_says_so(deepspeed_checkpoints, tmp_path, caplog):
+    """The model states hold the float16 weights DeepSpeed copied from its fp32 masters after the
+    last step (views of one flat buffer): the export is the masters cast to float16, and its log says where it came from."""
+    save = copy_of(deepspeed_checkpoints["zero1-fp16-untied"], tmp_path)
+    tag = os.path.join(save, "global_step2")
+    for name in os.listdir(tag):
+        if "optim_states" in name:
+            os.remove(os.path.join(tag, name))
+    out = str(tmp_path / "out")
+    completed = run_main("--src", save, "--dst", out, "--verify", "full", "--report", str(tmp_path / "report.json"))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert f"no optimizer states in {tag}: exporting the 16-bit weights of mp_rank_00_model_states.pt" in caplog.text
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["layout"] == "deepspeed-16bit" and report["verification"]["level"] == "full"
+    exported = exported_tensors(out)
+    reference = zero_to_fp32(deepspeed_checkpoints["zero1-fp16-untied"])
+    assert set(exported) == set(reference)
+    for name, tensor in reference.items():
+        assert exported[name].dtype == torch.float16 and torch.equal(exported[name], tensor.half()), name
+
+
+@pytest.mark.parametrize("case,mode", [("zero2-lora", "merge"), ("zero3-lora", "both")])
+def test_lora_under_zero_is_merged_into_its_frozen_base(deepspeed_checkpoints, tmp_path, case, mode):
+    """The base weights are frozen parameters: kept whole in the model states under ZeRO-2,
+    partitioned like the rest under ZeRO-3 (each rank merges its runs of them); the adapters trained.
+    `--lora both` also writes the adapter, as trained."""
+    folder, out = deepspeed_checkpoints[case], str(tmp_path / "out")
+    export(folder, out, "--lora-alpha", "8", "--dtype", "float32", "--lora", mode)
     reference, exported = zero_to_fp32(folder), exported_tensors(out)
     prefix = "base_model.model."
     for name, tensor in exported.items():
@@ -68,21 +105,10 @@ def test_lora_under_zero2_is_merged_into_its_frozen_base(deepspeed_checkpoints, 
             continue
         a, b = reference[f"{prefix}{module}.lora_A.default.weight"], reference[f"{prefix}{module}.lora_B.default.weight"]
         torch.testing.assert_close(tensor, base + LORA_SCALE * b @ a, rtol=0, atol=1e-6)
-
-
-def test_lora_under_zero3_is_kept_as_an_adapter(deepspeed_checkpoints, tmp_path):
-    """ZeRO-3 partitions the frozen base too; it is written beside its adapter (a merge into it is refused)."""
-    folder, out = deepspeed_checkpoints["zero3-lora"], str(tmp_path / "out")
-    refused = run_main("--src", source_of(folder)[0], "--dst", str(tmp_path / "merged"), "--lora-alpha", "8")
-    assert refused.returncode == 1 and "export with --lora adapter" in error_lines(refused)[0]
-    export(folder, out, "--lora-alpha", "8", "--lora", "adapter", "--dtype", "float32")
-    reference, exported = zero_to_fp32(folder), exported_tensors(out)
-    adapter = load_file(os.path.join(out, "lora_adapter", "adapter_model.safetensors"))
-    for name, tensor in reference.items():
-        if ".lora_" in name:
-            assert torch.equal(adapter[name.replace(".default", "")], tensor), name
-        else:
-            assert torch.equal(exported[name.removeprefix("base_model.model.").replace(".base_layer", "")], tensor), name
+    if mode == "both":
+        adapter = load_file(os.path.join(out, "lora_adapter", "adapter_model.safetensors"))
+        trained = {name.replace(".default", ""): tensor for name, tensor in reference.items() if ".lora_" in name}
+        assert set(adapter) == set(trained) and all(torch.equal(adapter[name], trained[name]) for name in trained)
 
 
 def test_export_remote_from_s3_to_s3(deepspeed_checkpoints, s3_prefix, tmp_path):
@@ -94,12 +120,6 @@ def test_export_remote_from_s3_to_s3(deepspeed_checkpoints, s3_prefix, tmp_path)
     exported = exported_tensors(download(f"{s3_prefix}/export", str(tmp_path / "out")))
     for name, tensor in zero_to_fp32(folder).items():
         assert torch.equal(exported[name], tensor.to(torch.bfloat16)), name
-
-
-def copy_of(folder: str, tmp_path) -> str:
-    copy = str(tmp_path / "save")
-    shutil.copytree(os.path.join(folder, "checkpoint-2"), copy)
-    return copy
 
 
 @pytest.mark.parametrize("change,message", [

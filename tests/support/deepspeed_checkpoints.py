@@ -13,7 +13,7 @@ SAVE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspee
 
 # name: deepspeed_save.py's arguments; each a different way ZeRO partitions or a trainer lays out the save
 CASES = {
-    "zero1-untied": ["--stage", "1", "--untied"],
+    "zero1-fp16-untied": ["--stage", "1", "--untied", "--dtype", "float16"],
     "zero2-tied-two-groups": ["--stage", "2", "--tied", "--groups", "2"],
     "zero2-bf16-untied-openrlhf": ["--stage", "2", "--untied", "--dtype", "bfloat16", "--layout", "openrlhf"],
     "zero3-untied-world3-two-groups": ["--stage", "3", "--untied", "--world", "3", "--groups", "2"],

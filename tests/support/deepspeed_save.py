@@ -4,7 +4,7 @@ conversion of it.
 Run with a Python that `deepspeed_env.deepspeed_python` made (DeepSpeed 0.19.8, on CPU), not the
 project's:
 
-    python deepspeed_save.py --out DIR --stage 1|2|3 [--dtype float32|bfloat16] --tied|--untied
+    python deepspeed_save.py --out DIR --stage 1|2|3 [--dtype float32|bfloat16|float16] --tied|--untied
         [--world N] [--zero-init] [--lora] [--layout trainer|openrlhf] [--steps N] [--groups 1|2]
     python deepspeed_save.py --batch FILE   # FILE: a JSON list of such argument lists
 
@@ -75,6 +75,8 @@ def ds_config(args: argparse.Namespace) -> dict:
     }
     if args.dtype == "bfloat16":
         config["bf16"] = {"enabled": True}
+    elif args.dtype == "float16":  # a dynamic loss scale, as fp16 training runs
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return config
 
 
@@ -126,6 +128,12 @@ def run_rank(rank: int, args: argparse.Namespace, world: int, rendezvous: str) -
 
     # The CPU comm backend compiles a shared-memory all-reduce op for inference; training never uses it.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    if args.dtype == "float16":
+        # DeepSpeed's CPU accelerator offers fp16 only where oneDNN has fp16 kernels (not this
+        # machine's CPUs); torch's CPU float16 ops train the tiny model, slowly but exactly.
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
     deepspeed.init_distributed(dist_backend="gloo")
     config = ds_config(args)
     model = build_model(args, config)
@@ -173,7 +181,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--stage", type=int, choices=[1, 2, 3], required=True)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     tying = parser.add_mutually_exclusive_group(required=True)
     tying.add_argument("--tied", dest="tied", action="store_true")
     tying.add_argument("--untied", dest="tied", action="store_false")
