@@ -2,7 +2,7 @@
 
     python benchmarks/deepspeed_bench.py                      # 2.4 GB of fp32 weights, world size 4
     python benchmarks/deepspeed_bench.py --size 1GB --verify none,full --workers 2
-    python benchmarks/deepspeed_bench.py --size 12GB --verify full --cap 22GiB   # larger than memory
+    python benchmarks/deepspeed_bench.py --size 12GB --verify full --cap 6GiB    # the converter in a memory cap
 
 The checkpoint is synthetic, in DeepSpeed's own format: a Llama config sized so that its fp32
 master weights take `--size`, each of `--world-size` ranks' files holding its ZeRO-3 partition of
