@@ -80,6 +80,19 @@ def ray_address(s3_endpoint, request):
     os.environ.pop("RAY_ADDRESS", None)
 
 
+@pytest.fixture(scope="module")
+def warm_pool(ray_address, request):
+    """A warm worker pool (`--pool`) for a module's exports whose subject is what they export,
+    not how an export starts: exports of one shape share worker actors, reset between them, as a
+    training loop's exports do (start-up itself: test_end_to_end.py, test_orchestration_pool.py,
+    test_faults.py). Closed when the module ends, so that its idle groups hold no CPUs after it."""
+    from rayexport import close_pool
+
+    name = f"tests-{request.module.__name__}"
+    yield name
+    close_pool(name)
+
+
 @pytest.fixture(autouse=True)
 def ray_head_alive(request):
     """Stop the run, naming the process and how it ended, once a process of the session's Ray

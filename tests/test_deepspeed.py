@@ -44,18 +44,19 @@ def published_dtype(case: str) -> torch.dtype:
     return torch.float16 if "float16" in CASES[case] else torch.bfloat16
 
 
-def export(folder: str, out: str, *extra: str) -> dict:
+def export(folder: str, out: str, pool: str, *extra: str) -> dict:
+    """The CLI's export of a saved case, verified in full, with the module's warm pool; its report."""
     source, options = source_of(folder)
     report = os.path.join(os.path.dirname(out), "report.json")
-    completed = run_main("--src", source, "--dst", out, "--verify", "full", "--report", report, *options, *extra)
+    completed = run_main("--src", source, "--dst", out, "--verify", "full", "--report", report, "--pool", pool, *options, *extra)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(open(report).read())
 
 
 @pytest.mark.parametrize("case", [case for case in CASES if "lora" not in case])
-def test_an_export_is_deepspeeds_own_conversion_in_the_published_dtype(deepspeed_checkpoints, case, tmp_path):
+def test_an_export_is_deepspeeds_own_conversion_in_the_published_dtype(deepspeed_checkpoints, case, tmp_path, warm_pool):
     folder, out = deepspeed_checkpoints[case], str(tmp_path / "out")
-    report = export(folder, out)
+    report = export(folder, out, warm_pool)
     assert report["layout"].startswith("deepspeed-zero") and report["verification"]["level"] == "full"
     reference, exported = zero_to_fp32(folder), exported_tensors(out)
     assert set(exported) == set(reference)  # a tied head: saved once, by both
@@ -67,7 +68,8 @@ def test_an_export_is_deepspeeds_own_conversion_in_the_published_dtype(deepspeed
     assert not {"latest", "zero_to_fp32.py", "trainer_state.json"} & set(os.listdir(out))  # DeepSpeed's, not the model's
 
 
-def test_a_zero1_save_without_optimizer_states_exports_its_16_bit_weights_and_says_so(deepspeed_checkpoints, tmp_path, caplog):
+def test_a_zero1_save_without_optimizer_states_exports_its_16_bit_weights_and_says_so(deepspeed_checkpoints, tmp_path, caplog,
+                                                                                    warm_pool):
     """The model states hold the float16 weights DeepSpeed copied from its fp32 masters after the
     last step (views of one flat buffer): the export is the masters cast to float16, and its log says where it came from."""
     save = copy_of(deepspeed_checkpoints["zero1-fp16-untied"], tmp_path)
@@ -76,7 +78,7 @@ def test_a_zero1_save_without_optimizer_states_exports_its_16_bit_weights_and_sa
         if "optim_states" in name:
             os.remove(os.path.join(tag, name))
     out = str(tmp_path / "out")
-    completed = run_main("--src", save, "--dst", out, "--verify", "full", "--report", str(tmp_path / "report.json"))
+    completed = run_main("--src", save, "--dst", out, "--verify", "full", "--report", str(tmp_path / "report.json"), "--pool", warm_pool)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"no optimizer states in {tag}: exporting the 16-bit weights of mp_rank_00_model_states.pt" in caplog.text
     report = json.loads((tmp_path / "report.json").read_text())
@@ -89,12 +91,12 @@ def test_a_zero1_save_without_optimizer_states_exports_its_16_bit_weights_and_sa
 
 
 @pytest.mark.parametrize("case,mode", [("zero2-lora", "merge"), ("zero3-lora", "both")])
-def test_lora_under_zero_is_merged_into_its_frozen_base(deepspeed_checkpoints, tmp_path, case, mode):
+def test_lora_under_zero_is_merged_into_its_frozen_base(deepspeed_checkpoints, tmp_path, case, mode, warm_pool):
     """The base weights are frozen parameters: kept whole in the model states under ZeRO-2,
     partitioned like the rest under ZeRO-3 (each rank merges its runs of them); the adapters trained.
     `--lora both` also writes the adapter, as trained."""
     folder, out = deepspeed_checkpoints[case], str(tmp_path / "out")
-    export(folder, out, "--lora-alpha", "8", "--dtype", "float32", "--lora", mode)
+    export(folder, out, warm_pool, "--lora-alpha", "8", "--dtype", "float32", "--lora", mode)
     reference, exported = zero_to_fp32(folder), exported_tensors(out)
     prefix = "base_model.model."
     for name, tensor in exported.items():
@@ -111,11 +113,11 @@ def test_lora_under_zero_is_merged_into_its_frozen_base(deepspeed_checkpoints, t
         assert set(adapter) == set(trained) and all(torch.equal(adapter[name], trained[name]) for name in trained)
 
 
-def test_export_remote_from_s3_to_s3(deepspeed_checkpoints, s3_prefix, tmp_path):
+def test_export_remote_from_s3_to_s3(deepspeed_checkpoints, s3_prefix, tmp_path, warm_pool):
     """As an RL trainer exports each checkpoint: from inside its Ray program, S3 to S3."""
     folder = deepspeed_checkpoints["zero3-bf16-tied-zero-init"]
     source = upload(os.path.join(folder, "checkpoint-2"), f"{s3_prefix}/checkpoint-2")
-    report = ray.get(export_remote(source, f"{s3_prefix}/export", workers=2), timeout=600)
+    report = ray.get(export_remote(source, f"{s3_prefix}/export", workers=2, pool=warm_pool), timeout=600)
     assert report.verification["passed"]
     exported = exported_tensors(download(f"{s3_prefix}/export", str(tmp_path / "out")))
     for name, tensor in zero_to_fp32(folder).items():

@@ -25,11 +25,11 @@ def dcp_checkpoints(dcp_checkpoints, s3_endpoint):
 
 
 @pytest.mark.parametrize("name", ["tied", "flat"])
-def test_dcp_export_matches_the_original(dcp_checkpoints, s3_prefix, tmp_path, name):
+def test_dcp_export_matches_the_original(dcp_checkpoints, s3_prefix, tmp_path, name, warm_pool):
     checkpoint = dcp_checkpoints[name]
     report_path = tmp_path / "report.json"
     completed = run_main("--src", checkpoint["uri"], "--dst", s3_prefix, "--workers", "2", "--report", str(report_path), "--dtype", "float32",
-                         *(["--verify", "none"] if name == "flat" else []))
+                         "--pool", warm_pool, *(["--verify", "none"] if name == "flat" else []))
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["layout"] == "dcp" and report["workers"] == 2 and report["world_size"] == 3

@@ -39,7 +39,7 @@ def exported_shapes(folder):
 
 
 @pytest.fixture(scope="module")
-def exports(format_checkpoints, tmp_path_factory, ray_address):
+def exports(format_checkpoints, tmp_path_factory, warm_pool):
     """Every export this module checks, through `rayexport.export()`, two at a time (one tiny
     export leaves this machine's cores idle much of its time): by its key, a future of the
     export's folder and report (an export that fails fails only the tests that read it)."""
@@ -56,7 +56,8 @@ def exports(format_checkpoints, tmp_path_factory, ray_address):
     def run(key):
         case, options = jobs[key]
         destination = root / "-".join(key)
-        report = export(format_checkpoints[case].path, str(destination), workers=2, log_level="WARNING", **options)
+        report = export(format_checkpoints[case].path, str(destination), workers=2, log_level="WARNING", pool=warm_pool,
+                        **options)
         return destination, json.loads(report.to_json())
 
     with ThreadPoolExecutor(2) as pool:

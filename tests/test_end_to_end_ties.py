@@ -54,9 +54,10 @@ def test_divergent_tied_values_stop_the_export(checkpoints, tmp_path, s3_prefix)
     assert not s3_exists(f"{s3_prefix}/export_manifest.json")
 
 
-def test_untie_keeps_both_and_unties_the_config(checkpoints, tmp_path, s3_prefix):
+def test_untie_keeps_both_and_unties_the_config(checkpoints, tmp_path, s3_prefix, warm_pool):
     source = modified_checkpoint(checkpoints, tmp_path, s3_prefix, untie_head)
-    completed = run_main("--src", source, "--dst", s3_prefix, "--workers", "2", "--untie", "--verify", "none", "--dtype", "float32")
+    completed = run_main("--src", source, "--dst", s3_prefix, "--workers", "2", "--untie", "--verify", "none", "--dtype", "float32",
+                         "--pool", warm_pool)
     assert completed.returncode == 0, completed.stderr[-3000:]
     local = download(s3_prefix, str(tmp_path / "export"))
     assert {EMBED, HEAD} <= exported_keys(local)
@@ -75,11 +76,12 @@ def test_untie_keeps_both_and_unties_the_config(checkpoints, tmp_path, s3_prefix
 
 
 @pytest.mark.parametrize("dropped, kept", [(EMBED, HEAD), (HEAD, EMBED)], ids=["only-alias", "only-canonical"])
-def test_one_tied_key_is_enough(checkpoints, tmp_path, s3_prefix, dropped, kept):
+def test_one_tied_key_is_enough(checkpoints, tmp_path, s3_prefix, dropped, kept, warm_pool):
     """Only the head saved: it is promoted to the embedding's name. Only the embedding saved: no
     KeyError for the head. Either way one copy is written and the reload ties it."""
     source = modified_checkpoint(checkpoints, tmp_path, s3_prefix, lambda state: state.pop(dropped))
-    completed = run_main("--src", source, "--dst", s3_prefix, "--workers", "2", "--verify", "none", "--dtype", "float32")
+    completed = run_main("--src", source, "--dst", s3_prefix, "--workers", "2", "--verify", "none", "--dtype", "float32",
+                         "--pool", warm_pool)
     assert completed.returncode == 0, completed.stderr[-3000:]
     local = download(s3_prefix, str(tmp_path / "export"))
     keys = exported_keys(local)

@@ -44,13 +44,13 @@ def assert_equals_mbridge_and_megatrons_logits(folder: str, out: str) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_an_export_equals_mbridges_and_computes_megatrons_logits(megatron_checkpoints, case, tmp_path):
+def test_an_export_equals_mbridges_and_computes_megatrons_logits(megatron_checkpoints, case, tmp_path, warm_pool):
     folder, out, report_path = megatron_checkpoints[case], str(tmp_path / "out"), tmp_path / "report.json"
     source, extra = source_of(folder)
     # float32 saves are published in float32 here to compare bits; bfloat16 ones with --dtype auto
     if "bfloat16" not in CASES[case]:
         extra += ["--dtype", "float32"]
-    completed = run_main("--src", source, "--dst", out, "--verify", "full", "--report", str(report_path), *extra)
+    completed = run_main("--src", source, "--dst", out, "--verify", "full", "--report", str(report_path), "--pool", warm_pool, *extra)
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["layout"] == "megatron" and report["verification"]["level"] == "full"
@@ -63,11 +63,11 @@ def test_an_export_equals_mbridges_and_computes_megatrons_logits(megatron_checkp
     assert_equals_mbridge_and_megatrons_logits(folder, out)
 
 
-def test_export_remote_from_s3_to_s3(megatron_checkpoints, s3_prefix, tmp_path):
+def test_export_remote_from_s3_to_s3(megatron_checkpoints, s3_prefix, tmp_path, warm_pool):
     """As an RL trainer exports each checkpoint: from inside its Ray program, S3 to S3."""
     folder = megatron_checkpoints["qwen3_moe-ep2-sequential"]
     source = upload(os.path.join(folder, "actor"), f"{s3_prefix}/actor")
-    report = ray.get(export_remote(source, f"{s3_prefix}/export", workers=2, dtype="float32"), timeout=600)
+    report = ray.get(export_remote(source, f"{s3_prefix}/export", workers=2, dtype="float32", pool=warm_pool), timeout=600)
     assert report.verification["passed"]
     assert_equals_mbridge_and_megatrons_logits(folder, download(f"{s3_prefix}/export", str(tmp_path / "out")))
 

@@ -133,14 +133,14 @@ def on_s3(written, s3_endpoint):
     return uploaded
 
 @pytest.mark.parametrize("name", ["openrlhf", "nemo-rl"])
-def test_export_through_the_cli_matches_the_original(written, on_s3, ray_address, s3_prefix, tmp_path, name):
+def test_export_through_the_cli_matches_the_original(written, on_s3, warm_pool, s3_prefix, tmp_path, name):
     """`--src` the trainer's DCP folder, `--hf-config` the model's folder (neither trainer saves
     a config): the export holds the original model's tensors, and reloaded gives its logits."""
     checkpoint = written[name]
     report_path = tmp_path / "report.json"
     completed = run_main(
         "--src", on_s3[name]["src"], "--dst", s3_prefix, "--hf-config", on_s3[name]["hf"],
-        "--workers", "2", "--dtype", "float32", "--report", str(report_path),
+        "--workers", "2", "--dtype", "float32", "--report", str(report_path), "--pool", warm_pool,
         "--verify", "quick",  # files and a sample: this test reloads the export itself, below
     )
     assert completed.returncode == 0, completed.stderr[-3000:]

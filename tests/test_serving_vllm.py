@@ -31,13 +31,13 @@ from support.vllm_env import vllm_python as build_vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_address")]
 
-MOE = [("qwen3_moe", naming, "verl") for naming in ("in-memory", "on-disk")]
+# one naming: an export of either is the same on-disk files (test_end_to_end_formats.py), so vLLM loads the same
+MOE = [("qwen3_moe", "in-memory", "verl")]
 # case: (checkpoint, export options); the LoRA run's float32 training config publishes in bfloat16
 CASES = {
     "tied-float32": ("qwen2-tied", {"dtype": "float32"}),
     "untied-bfloat16": ("llama-untied", {"dtype": "bfloat16"}),
-    "moe-in-memory-naming-float32": (MOE[0], {"dtype": "float32"}),
-    "moe-on-disk-naming-bfloat16": (MOE[1], {"dtype": "bfloat16"}),
+    "moe-in-memory-naming-bfloat16": (MOE[0], {"dtype": "bfloat16"}),
     "lora-merged-bfloat16-on-s3": ("lora", {}),
 }
 
@@ -50,7 +50,7 @@ def vllm_python():
 @pytest.fixture(scope="module")
 def serving_checkpoints(tmp_path_factory):
     """Each checkpoint's folder: dense models and a LoRA run (verl rank files of the model as
-    transformers 5 holds it), and a MoE model under either naming, two sets of 2 gloo ranks."""
+    transformers 5 holds it), and a MoE model trained under the in-memory naming, two sets of 2 gloo ranks."""
     root = tmp_path_factory.mktemp("serving")
     jobs = {kind: VerlJob(serving_config(kind), str(root / kind)) for kind in ("qwen2-tied", "llama-untied", "qwen2-head16")}
     jobs["lora"] = VerlJob(serving_config("qwen2-tied"), str(root / "lora"), lora=LORA)
@@ -60,7 +60,7 @@ def serving_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def exports(serving_checkpoints, vllm_python, tmp_path_factory, s3_endpoint):
+def exports(serving_checkpoints, vllm_python, tmp_path_factory, s3_endpoint, warm_pool):
     """Every case exported with `--serve-check vllm` through `rayexport.export()`, two at a
     time: by case, a future of (destination, report); and the vLLM check's scratch folders
     left behind (none should be)."""
@@ -74,7 +74,7 @@ def exports(serving_checkpoints, vllm_python, tmp_path_factory, s3_endpoint):
     def run(case):
         checkpoint, options = CASES[case]
         destination = f"s3://{BUCKET}/serving/{case}" if case.endswith("on-s3") else str(root / case)
-        report = export(serving_checkpoints[checkpoint], destination, workers=2, log_level="WARNING", serve_check="vllm",
+        report = export(serving_checkpoints[checkpoint], destination, workers=2, log_level="WARNING", serve_check="vllm", pool=warm_pool,
                         vllm_python=vllm_python, **options)
         return destination, json.loads(report.to_json())
 

@@ -60,14 +60,14 @@ def float32_logits(folder: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_an_export_equals_torchtitans_own_to_hf_and_computes_its_logits(saved, case, tmp_path):
+def test_an_export_equals_torchtitans_own_to_hf_and_computes_its_logits(saved, case, tmp_path, warm_pool):
     model, _, save, dtype = CASES[case]
     folder, out, report_path = saved[case], str(tmp_path / "out"), tmp_path / "report.json"
     # float32 saves are published in float32 here to compare bits; the bfloat16 one is exported with
     # the default --dtype auto, which publishes bfloat16
     extra = ["--dtype", "float32"] if dtype == "float32" else []
     completed = run_main("--src", os.path.join(folder, STEP), "--dst", out, "--hf-config", os.path.join(folder, "hf"),
-                         "--verify", "quick", "--report", str(report_path), *extra)
+                         "--verify", "quick", "--report", str(report_path), "--pool", warm_pool, *extra)
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["layout"] == "torchtitan"
