@@ -72,22 +72,6 @@ def test_export_remote_from_s3_to_s3(megatron_checkpoints, s3_prefix, tmp_path, 
     assert_equals_mbridge_and_megatrons_logits(folder, download(f"{s3_prefix}/export", str(tmp_path / "out")))
 
 
-@pytest.mark.vllm
-def test_an_export_serves_in_vllm(megatron_checkpoints, tmp_path):
-    """`--serve-check vllm` on a Megatron export: vLLM's tokens are transformers' top choices."""
-    from support.virtualenvs import VLLM_CACHE
-    from support.vllm_env import vllm_python
-
-    # vLLM's Qwen2 takes its head size from hidden / heads, not config.json's head_dim (32 here)
-    source, extra = source_of(megatron_checkpoints["llama-tp2-untied-megatron-lm"])
-    report_path = tmp_path / "report.json"
-    completed = run_main("--src", source, "--dst", str(tmp_path / "out"), "--dtype", "float32", "--serve-check", "vllm",
-                         "--vllm-python", vllm_python(VLLM_CACHE), "--report", str(report_path), *extra)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    served = json.loads(report_path.read_text())["verification"]["checks"]["vllm"]
-    assert served["engine"] == "vllm" and served["tokens_compared"] > 0
-
-
 def export_workers_ever_started() -> set[str]:
     """The ids of every rayexport worker actor this session's Ray has had, ended ones included."""
     from ray._private import state

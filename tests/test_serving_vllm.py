@@ -39,6 +39,8 @@ CASES = {
     "untied-bfloat16": ("llama-untied", {"dtype": "bfloat16"}),
     "moe-in-memory-naming-bfloat16": (MOE[0], {"dtype": "bfloat16"}),
     "lora-merged-bfloat16-on-s3": ("lora", {}),
+    # vLLM's Qwen2 takes its head size from hidden / heads, not config.json's head_dim (32 here)
+    "megatron-lm-tp2-float32": ("llama-tp2-untied-megatron-lm", {"dtype": "float32"}),
 }
 
 
@@ -60,12 +62,16 @@ def serving_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def exports(serving_checkpoints, vllm_python, tmp_path_factory, s3_endpoint, warm_pool):
+def exports(serving_checkpoints, megatron_checkpoints, vllm_python, tmp_path_factory, s3_endpoint, warm_pool):
     """Every case exported with `--serve-check vllm` through `rayexport.export()`, two at a
     time: by case, a future of (destination, report); and the vLLM check's scratch folders
-    left behind (none should be)."""
+    left behind (none should be). The Megatron-LM save is Megatron-Core's own (its config beside it)."""
     from rayexport import export
     from support.helpers import BUCKET
+
+    megatron = megatron_checkpoints["llama-tp2-untied-megatron-lm"]
+    sources = {**{name: (folder, {}) for name, folder in serving_checkpoints.items()},
+               "llama-tp2-untied-megatron-lm": (megatron, {"hf_config": os.path.join(megatron, "hf")})}
 
     root = tmp_path_factory.mktemp("serving-exports")
     scratch = os.path.join(tempfile.gettempdir(), "rayexport-vllm-*")
@@ -73,9 +79,10 @@ def exports(serving_checkpoints, vllm_python, tmp_path_factory, s3_endpoint, war
 
     def run(case):
         checkpoint, options = CASES[case]
+        source, source_options = sources[checkpoint]
         destination = f"s3://{BUCKET}/serving/{case}" if case.endswith("on-s3") else str(root / case)
-        report = export(serving_checkpoints[checkpoint], destination, workers=2, log_level="WARNING", serve_check="vllm", pool=warm_pool,
-                        vllm_python=vllm_python, **options)
+        report = export(source, destination, workers=2, log_level="WARNING", serve_check="vllm", pool=warm_pool,
+                        vllm_python=vllm_python, **source_options, **options)
         return destination, json.loads(report.to_json())
 
     with ThreadPoolExecutor(2) as pool:
