@@ -42,6 +42,12 @@ ITERATION = "iter_0000002"
 MEGATRON_A = ["latest_checkpointed_iteration.txt", *(f"{ITERATION}/{name}" for name in (
     ".metadata", "metadata.json", "common.pt", "__0_0.distcp", "__0_1.distcp"))]
 MEGATRON_B = [f"{ITERATION}/__1_0.distcp", f"{ITERATION}/__1_1.distcp"]
+# A DeepSpeed ZeRO-3 save of 3 ranks in Trainer's layout (support/deepspeed_checkpoints.py): rank 0's
+# files, `latest` and the config on node A, ranks 1 and 2's on node B. The driver reads each rank's
+# record from the node that holds it; each worker maps its own node's fp32 buffers.
+DEEPSPEED = "zero3-untied-world3-two-groups"
+DEEPSPEED_RANK_FILES = ["global_step2/zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+                        "global_step2/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
 
 
 def _copy(source: str, names: list[str], target: str) -> None:
@@ -52,10 +58,10 @@ def _copy(source: str, names: list[str], target: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory, megatron_checkpoints):
+def nodes(tmp_path_factory, megatron_checkpoints, deepspeed_checkpoints):
     """The two-node cluster, and the checkpoints of one model: each whole in one folder both
     nodes see (`whole`), and split between the nodes' own folders under `view`; a Megatron-LM
-    save split the same way."""
+    and a DeepSpeed save split the same way."""
     from support.checkpoints import write_format_checkpoints
 
     root = tmp_path_factory.mktemp("node-local")
@@ -70,6 +76,12 @@ def nodes(tmp_path_factory, megatron_checkpoints):
     _copy(megatron, MEGATRON_A, str(disk_a / "megatron"))
     shutil.copytree(os.path.join(megatron, "hf"), disk_a / "megatron" / "huggingface")  # found beside the tracker
     _copy(megatron, MEGATRON_B, str(disk_b / "megatron"))
+    deepspeed = os.path.join(deepspeed_checkpoints[DEEPSPEED], "checkpoint-2")
+    rank_files = {name.format(rank=rank) for name in DEEPSPEED_RANK_FILES for rank in range(3)}
+    on_a = [name for name in os.listdir(deepspeed) if name != "global_step2"] + [name.format(rank=0) for name in DEEPSPEED_RANK_FILES]
+    assert rank_files == set(os.path.join("global_step2", name) for name in os.listdir(os.path.join(deepspeed, "global_step2")))
+    _copy(deepspeed, on_a, str(disk_a / "deepspeed"))
+    _copy(deepspeed, sorted(rank_files - set(on_a)), str(disk_b / "deepspeed"))
     _copy(whole["verl"], NODE_A[:3], str(disk_a / "verl-missing"))  # rank 1 on no node, nor rank 3
     _copy(whole["verl"], NODE_B[:1], str(disk_b / "verl-missing"))
     _copy(whole["verl"], NODE_A + NODE_B[:1], str(disk_a / "verl-differs"))
@@ -80,7 +92,7 @@ def nodes(tmp_path_factory, megatron_checkpoints):
     cluster = NodeCluster(str(root / "view"), [str(disk_a), str(disk_b)], num_cpus=4).start()
     try:
         yield {"cluster": cluster, "whole": whole, "view": cluster.view, "disks": (str(disk_a), str(disk_b)), "root": root,
-               "megatron": megatron}
+               "megatron": megatron, "deepspeed": deepspeed_checkpoints[DEEPSPEED]}
     finally:
         cluster.stop()
 
@@ -153,6 +165,8 @@ def runs(nodes):
         "split-dcp": lambda: run_export_remote(cluster, f"{view}/dcp", str(root / "split-dcp"), SHARD_SIZE),
         "split-megatron": lambda: run_export(
             cluster, "--src", f"{view}/megatron", "--dst", str(root / "split-megatron"), "--dtype", "float32"),
+        "split-deepspeed": lambda: run_export(
+            cluster, "--src", f"{view}/deepspeed", "--dst", str(root / "split-deepspeed"), "--dtype", "float32"),
         "missing": lambda: run_export(cluster, "--src", f"{view}/verl-missing", "--dst", str(root / "missing")),
         "differs": lambda: run_export(cluster, "--src", f"{view}/verl-differs", "--dst", str(root / "differs")),
     }
@@ -198,6 +212,20 @@ def test_a_megatron_save_no_node_holds_whole_exports_what_mbridge_exports(nodes,
     assert len({where["node"] for where in report["placement"].values()}) == 2, report["placement"]
     exported = exported_tensors(str(nodes["root"] / "split-megatron"))
     reference = load_file(os.path.join(nodes["megatron"], "reference", "mbridge.safetensors"))
+    assert set(exported) == set(reference)
+    assert all(exported[key].equal(tensor) for key, tensor in reference.items())
+
+
+def test_a_deepspeed_save_no_node_holds_whole_exports_deepspeeds_own_conversion(nodes, runs):
+    """Each worker maps the fp32 buffers of its own node's optimizer states files."""
+    from safetensors.torch import load_file
+
+    completed, report, _ = runs["split-deepspeed"]
+    assert completed.returncode == 0 and report is not None, completed.stderr[-4000:]
+    assert report["layout"] == "deepspeed-zero3" and report["verification"]["level"] == "full"
+    assert len({where["node"] for where in report["placement"].values()}) == 2, report["placement"]
+    exported = exported_tensors(str(nodes["root"] / "split-deepspeed"))
+    reference = load_file(os.path.join(nodes["deepspeed"], "reference", "zero_to_fp32.safetensors"))
     assert set(exported) == set(reference)
     assert all(exported[key].equal(tensor) for key, tensor in reference.items())
 
