@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import uuid
+from concurrent.futures import Future
 
 import pytest
 
@@ -233,18 +235,53 @@ def s3_checkpoints(checkpoints, s3_endpoint):
     return {name: upload(written.path, f"s3://{BUCKET}/checkpoints/{name}") for name, written in checkpoints.items()}
 
 
-@pytest.fixture(scope="session")
-def megatron_checkpoints(tmp_path_factory):
-    """Real Megatron-Core torch_dist checkpoints, by name (`support.megatron_checkpoints.CASES`),
-    which the Megatron and node-local tests share."""
+def _write_megatron(root: str) -> dict[str, str]:
     from support.megatron_checkpoints import write_megatron_checkpoints
 
-    return write_megatron_checkpoints(str(tmp_path_factory.mktemp("megatron")))
+    return write_megatron_checkpoints(root)
+
+
+def _write_deepspeed(root: str) -> dict[str, str]:
+    from support.deepspeed_checkpoints import write_deepspeed_checkpoints
+
+    return write_deepspeed_checkpoints(root)
+
+
+# The other trainers' saves, each written by its own package in a process of its own (a minute
+# or more each), in the order the tests need them: fixture name, folder, writer.
+SAVES = (("deepspeed_checkpoints", "deepspeed", _write_deepspeed), ("megatron_checkpoints", "megatron", _write_megatron))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def saves_written_ahead(request, tmp_path_factory):
+    """By fixture name, a future of each save the session's tests need, written one after the
+    other in a thread from the session's start, so that the tests before them run meanwhile.
+    The session waits for any still being written before it ends, so no writer outlives it."""
+    needed = [(name, folder, write) for name, folder, write in SAVES
+              if any(name in item.fixturenames for item in request.session.items)]
+    futures = {name: Future() for name, _, _ in needed}
+
+    def write_all():
+        for name, folder, write in needed:
+            try:
+                futures[name].set_result(write(str(tmp_path_factory.mktemp(folder))))
+            except BaseException as error:  # noqa: BLE001 - handed to the test that needs it
+                futures[name].set_exception(error)
+
+    writer = threading.Thread(target=write_all, name="saves-written-ahead", daemon=True)
+    writer.start()
+    yield futures
+    writer.join()
 
 
 @pytest.fixture(scope="session")
-def deepspeed_checkpoints(tmp_path_factory):
-    """Real DeepSpeed ZeRO checkpoints, by name (`support.deepspeed_checkpoints.CASES`)."""
-    from support.deepspeed_checkpoints import write_deepspeed_checkpoints
+def megatron_checkpoints(saves_written_ahead):
+    """Real Megatron-Core torch_dist checkpoints, by name (`support.megatron_checkpoints.CASES`),
+    which the Megatron, node-local and vLLM tests share."""
+    return saves_written_ahead["megatron_checkpoints"].result()
 
-    return write_deepspeed_checkpoints(str(tmp_path_factory.mktemp("deepspeed")))
+
+@pytest.fixture(scope="session")
+def deepspeed_checkpoints(saves_written_ahead):
+    """Real DeepSpeed ZeRO checkpoints, by name (`support.deepspeed_checkpoints.CASES`)."""
+    return saves_written_ahead["deepspeed_checkpoints"].result()

@@ -36,7 +36,6 @@ MOE = [("qwen3_moe", "in-memory", "verl")]
 # case: (checkpoint, export options); the LoRA run's float32 training config publishes in bfloat16
 CASES = {
     "tied-float32": ("qwen2-tied", {"dtype": "float32"}),
-    "untied-bfloat16": ("llama-untied", {"dtype": "bfloat16"}),
     "moe-in-memory-naming-bfloat16": (MOE[0], {"dtype": "bfloat16"}),
     "lora-merged-bfloat16-on-s3": ("lora", {}),
     # vLLM's Qwen2 takes its head size from hidden / heads, not config.json's head_dim (32 here)
@@ -54,7 +53,7 @@ def serving_checkpoints(tmp_path_factory):
     """Each checkpoint's folder: dense models and a LoRA run (verl rank files of the model as
     transformers 5 holds it), and a MoE model trained under the in-memory naming, two sets of 2 gloo ranks."""
     root = tmp_path_factory.mktemp("serving")
-    jobs = {kind: VerlJob(serving_config(kind), str(root / kind)) for kind in ("qwen2-tied", "llama-untied", "qwen2-head16")}
+    jobs = {kind: VerlJob(serving_config(kind), str(root / kind)) for kind in ("qwen2-tied", "qwen2-head16")}
     jobs["lora"] = VerlJob(serving_config("qwen2-tied"), str(root / "lora"), lora=LORA)
     dense = write_verl_checkpoints(jobs)
     moe = write_format_checkpoints(str(root), MOE, config_of=serving_config)
