@@ -27,17 +27,10 @@ SLOW_FIXTURES = frozenset({
 })
 
 
-# Saves another trainer's package writes (`saves_written_ahead`): the modules whose tests need one
-# run after the rest, so that the saves are written while the others run, not waited for.
-WRITTEN_AHEAD = frozenset({"deepspeed_checkpoints", "megatron_checkpoints"})
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.slow)
-    waiting = {item.path for item in items if WRITTEN_AHEAD.intersection(item.fixturenames)}
-    items.sort(key=lambda item: item.path in waiting)  # stable: each module's tests stay together, in order
 
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing-key",
