@@ -202,32 +202,29 @@ def test_a_checkpoint_no_node_holds_whole_exports_the_same_bytes_as_from_one_fol
     assert exported and exported == safetensors_bytes(holding(nodes, "out")[0])
 
 
-def test_a_megatron_save_no_node_holds_whole_exports_what_mbridge_exports(nodes, runs):
-    """Each worker reads its own node's `.distcp` files, every chunk of every layer in them."""
+def assert_split_export_equals(nodes, runs, layout: str, reported_layout: str, reference: str) -> None:
+    """The CLI's export of `layout`'s save split over the nodes: verified in full, read on both
+    nodes, and equal tensor for tensor to its producer's own conversion (`reference`, under the save)."""
     from safetensors.torch import load_file
 
-    completed, report, _ = runs["split-megatron"]
+    completed, report, _ = runs[f"split-{layout}"]
     assert completed.returncode == 0 and report is not None, completed.stderr[-4000:]
-    assert report["layout"] == "megatron" and report["verification"]["level"] == "full"
+    assert report["layout"] == reported_layout and report["verification"]["level"] == "full"
     assert len({where["node"] for where in report["placement"].values()}) == 2, report["placement"]
-    exported = exported_tensors(str(nodes["root"] / "split-megatron"))
-    reference = load_file(os.path.join(nodes["megatron"], "reference", "mbridge.safetensors"))
-    assert set(exported) == set(reference)
-    assert all(exported[key].equal(tensor) for key, tensor in reference.items())
+    exported = exported_tensors(str(nodes["root"] / f"split-{layout}"))
+    expected = load_file(os.path.join(nodes[layout], "reference", reference))
+    assert set(exported) == set(expected)
+    assert all(exported[key].equal(tensor) for key, tensor in expected.items())
+
+
+def test_a_megatron_save_no_node_holds_whole_exports_what_mbridge_exports(nodes, runs):
+    """Each worker reads its own node's `.distcp` files, every chunk of every layer in them."""
+    assert_split_export_equals(nodes, runs, "megatron", "megatron", "mbridge.safetensors")
 
 
 def test_a_deepspeed_save_no_node_holds_whole_exports_deepspeeds_own_conversion(nodes, runs):
     """Each worker maps the fp32 buffers of its own node's optimizer states files."""
-    from safetensors.torch import load_file
-
-    completed, report, _ = runs["split-deepspeed"]
-    assert completed.returncode == 0 and report is not None, completed.stderr[-4000:]
-    assert report["layout"] == "deepspeed-zero3" and report["verification"]["level"] == "full"
-    assert len({where["node"] for where in report["placement"].values()}) == 2, report["placement"]
-    exported = exported_tensors(str(nodes["root"] / "split-deepspeed"))
-    reference = load_file(os.path.join(nodes["deepspeed"], "reference", "zero_to_fp32.safetensors"))
-    assert set(exported) == set(reference)
-    assert all(exported[key].equal(tensor) for key, tensor in reference.items())
+    assert_split_export_equals(nodes, runs, "deepspeed", "deepspeed-zero3", "zero_to_fp32.safetensors")
 
 
 def test_ranks_on_no_node_are_one_line_before_any_worker_starts(nodes, runs):
