@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 
@@ -116,10 +117,15 @@ def test_tokenizer_that_does_not_load_fails_verification_and_commits_nothing(che
 
 
 def test_a_good_tokenizer_and_bfloat16_reload_pass_verification(checkpoints, tmp_path, caplog):
+    """A float32 checkpoint written in bfloat16, with `--sha256`: the reload passes, every phase is
+    timed, the report counts each pass over the bytes, and the manifest holds each file's
+    SHA-256 beside its fast digest."""
+    import hashlib
+
     caplog.set_level(logging.INFO, logger="rayexport")
     destination = tmp_path / "out"
     completed = run_main("--src", checkpoints["tied"].path, "--dst", str(destination), "--verify", "full",
-                         "--dtype", "bfloat16", "--report", "-")
+                         "--dtype", "bfloat16", "--sha256", "--report", "-")
     assert completed.returncode == 0, completed.stderr[-3000:]
     for stage in ("load", "transfer", "verify_files"):  # one line per stage: bytes, seconds, rate
         assert re.search(rf"{stage}: \d+\.\d\d GB in \d+\.\d s \(\d+ MB/s\)", caplog.text), stage
@@ -128,6 +134,17 @@ def test_a_good_tokenizer_and_bfloat16_reload_pass_verification(checkpoints, tmp
     reload_check = report["verification"]["checks"]["reload"]
     assert reload_check["tokenizer"] and reload_check["dtype"] == "bfloat16"
     # every step between the workers' start and the commit is a phase of its own (here Ray was joined)
-    assert {"plan", "start_workers", "describe_model", "load", "plan_files", "source_digests", "transfer",
+    assert {"plan", "start_workers", "describe_model", "load", "plan_files", "source_scan", "transfer",
             "verify_files", "reload", "shutdown", "commit"} <= set(report["seconds"])
-    assert (destination / "export_manifest.json").exists()
+    manifest = json.loads((destination / "export_manifest.json").read_text())
+    assert manifest["format"] == "rayexport/2" and manifest["digest"] == "xxh3_128"
+    for name, record in manifest["files"].items():
+        assert record["sha256"] == hashlib.sha256((destination / name).read_bytes()).hexdigest(), name
+    # the passes: the source read once (scanned, cast to bfloat16 and hashed in the same loop),
+    # each written byte hashed twice (tensor and file) plus SHA-256, every file read back once
+    written = sum(math.prod(tensor["shape"]) * 2 for tensor in manifest["tensors"].values())
+    scan, transfer, check = (report["passes"][phase] for phase in ("source_scan", "transfer", "verify_files"))
+    assert scan["read"] == scan["scanned"] == 2 * written and scan["hashed"] == scan["copied"] == written
+    assert transfer["written"] == written and transfer["hashed"] == 2 * written
+    assert transfer["hashed_sha256"] == written and transfer["copied"] >= written  # the cast, at least
+    assert check["read"] == sum(record["size"] for record in manifest["files"].values())

@@ -33,7 +33,7 @@ def test_the_workers_counters_add_up_and_each_phase_counts_its_own_bytes():
     assert phase_bytes(total, "load") == (2 * GB, 3 * GB)
     assert phase_bytes(total, "transfer") == (GB // 2, GB)
     assert phase_bytes(total, "reload") == (0, 0)  # a phase without bytes
-    assert counters_text(total) == "loaded 2 GB/3 GB, sent 250 MB/250 MB, written 500 MB/1 GB"
+    assert counters_text(total) == "loaded 2/3 GB, sent 250/250 MB, written 500 MB/1 GB"
 
 
 def test_a_log_line_gives_the_phases_share_rate_and_time_left():
@@ -57,7 +57,7 @@ def test_on_a_terminal_one_bar_shows_each_phase_with_the_workers_counters():
         shown.phase("reload")
     text = terminal.getvalue()
     assert "describe_model: 00:00" in text and "load:  75%" in text
-    assert "reload: 00:00, loaded 2 GB/2 GB" in text.rsplit("\r", 1)[-1]  # the last state drawn
+    assert "reload: 00:00, loaded 2/2 GB" in text.rsplit("\r", 1)[-1]  # the last state drawn
 
 
 def test_elsewhere_a_line_at_most_every_few_seconds_and_no_bar(caplog, monkeypatch):

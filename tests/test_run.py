@@ -295,5 +295,5 @@ def test_the_demo_shows_one_progress_bar_and_no_worker_bars(tmp_path):
     assert code == 0, output[-3000:]
     assert (tmp_path / "out" / "export_manifest.json").exists()
     drawn = [line for line in output.replace("\r", "\n").splitlines() if line.startswith("reload: ")]
-    assert drawn and re.search(r"loaded \d+ kB/\d+ kB, sent .*, written .*, verified \d+ kB/\d+ kB", drawn[-1]), drawn
+    assert drawn and re.search(r"loaded \d+/\d+ kB, scanned \d+/\d+ kB, sent .*, written .*, verified \d+/\d+ kB", drawn[-1]), drawn
     assert not re.search(r"\b(spool|load|write|verify)\d+:", output), output[-3000:]

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file, save as safetensors_save
 
 from rayexport.common.errors import ExportError
@@ -47,13 +48,13 @@ def chunked(tensor, rows):
     return list(tensor.split(rows)) if rows and tensor.dim() and tensor.shape[0] else [tensor]
 
 
-def write(tmp_path, tensors, plans, max_shard_size, rows=None):
+def write(tmp_path, tensors, plans, max_shard_size, rows=None, sha256=False):
     shard_files, split = plan_shard_files(list(plans.values()), max_shard_size)
     store = Store(str(tmp_path / "out"))
     stream = ((name, chunked(tensors[name], rows)) for shard in shard_files for name in shard.tensors)
     seen = []
-    written, digests = write_shards(store, shard_files, plans, stream, seen.append)
-    index = write_index(store, split)
+    written, digests = write_shards(store, shard_files, plans, stream, seen.append, sha256)
+    index = write_index(store, split, sha256)
     return store, shard_files, written + ([index] if index else []), digests, seen
 
 
@@ -87,18 +88,23 @@ def test_index_maps_every_tensor_with_the_total_size(tmp_path):
             assert torch.equal(value, tensors[name])
 
 
-def test_recorded_sizes_and_sha256_match_the_files(tmp_path):
+@pytest.mark.parametrize("sha256", [False, True])
+def test_recorded_sizes_and_digests_match_the_files(tmp_path, sha256):
+    """Each file's size and fast digest, each tensor's digest, and with `--sha256` each file's
+    SHA-256 too, as `sha256sum` would print it."""
     tensors = mixed_tensors()
     plans = plans_for(tensors)
-    store, shard_files, written, digests, _ = write(tmp_path, tensors, plans, max_shard_size=150)
+    store, shard_files, written, digests, _ = write(tmp_path, tensors, plans, max_shard_size=150, sha256=sha256)
     assert sorted(item.name for item in written) == sorted([shard.filename for shard in shard_files] + [INDEX_NAME])
     for item in written:
         data = store.read_bytes(item.name)
         assert item.size == len(data)
-        assert item.sha256 == hashlib.sha256(data).hexdigest()
+        assert item.digest == xxhash.xxh3_128(data).hexdigest()
+        assert item.sha256 == (hashlib.sha256(data).hexdigest() if sha256 else None)
+        assert ("sha256" in item.record()) == sha256
     for name, tensor in tensors.items():
         raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        assert digests[name] == hashlib.sha256(raw).hexdigest()
+        assert digests[name] == xxhash.xxh3_128(raw).hexdigest()
 
 
 def test_single_file_has_no_index(tmp_path):
@@ -127,7 +133,7 @@ def test_rows_streamed_in_chunks_give_the_same_bytes(tmp_path):
     expected = {name: tensor.to(getattr(torch, plans[name].dtype)) for name, tensor in tensors.items()}
     assert store.read_bytes("model.safetensors") == safetensors_save(expected, metadata={"format": "pt"})
     raw = expected["model.embed_tokens.weight"].reshape(-1).view(torch.uint8).numpy().tobytes()
-    assert digests["model.embed_tokens.weight"] == hashlib.sha256(raw).hexdigest()
+    assert digests["model.embed_tokens.weight"] == xxhash.xxh3_128(raw).hexdigest()
 
 
 def test_a_tensor_out_of_order_is_refused_and_not_published(tmp_path):

@@ -25,8 +25,7 @@ def test_pieces_cut_along_columns_are_checked_across_row_blocks(tmp_path, monkey
 def checked_in_row_blocks(tmp_path, monkeypatch, tensor, pieces, corrupt_element) -> list[str]:
     """The file check's problems for a file holding `tensor` as "w", read two rows at a time,
     whose source `pieces` are (record, values) pairs; `corrupt_element`: one element changed."""
-    import hashlib
-
+    from rayexport.common.digests import FAST, digest_of
     from rayexport.storage.store import Store
     from rayexport.transport.writer import tensor_bytes
     from rayexport.verification import files
@@ -37,10 +36,10 @@ def checked_in_row_blocks(tmp_path, monkeypatch, tensor, pieces, corrupt_element
     if corrupt_element is not None:
         data[len(data) - tensor.nbytes + corrupt_element * 4] ^= 0x40
         (tmp_path / "model.safetensors").write_bytes(bytes(data))
-    records = [dict(record, sha256=hashlib.sha256(tensor_bytes(values)).hexdigest()) for record, values in pieces]
+    records = [dict(record, **{FAST: digest_of(tensor_bytes(values))}) for record, values in pieces]
     expected = ExpectedExport(
-        files={"model.safetensors": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-        tensors={"w": {"dtype": "float32", "shape": list(tensor.shape), "sha256": hashlib.sha256(data[-tensor.nbytes:]).hexdigest()}},
+        files={"model.safetensors": {"size": len(data), FAST: digest_of(data)}},
+        tensors={"w": {"dtype": "float32", "shape": list(tensor.shape), FAST: digest_of(data[-tensor.nbytes:])}},
         pieces={"w": records},
     )
     monkeypatch.setattr(files, "READ_BLOCK", 2 * tensor.shape[1] * 4)  # two rows per read
@@ -49,14 +48,17 @@ def checked_in_row_blocks(tmp_path, monkeypatch, tensor, pieces, corrupt_element
     return check.problems
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
 @pytest.mark.parametrize("written_together", [False, True])
-def test_a_changed_tensor_is_named_whether_or_not_the_files_digest_stands_for_it(tmp_path, written_together):
+def test_a_changed_tensor_is_named_whether_or_not_the_files_digest_stands_for_it(tmp_path, written_together, algorithm):
     """In the export's own verification (`written_together`: the writer took the file's and its
     tensors' digests over the same bytes) a matching file digest stands for its tensors' digests;
-    a file changed since it was written still names the file, the tensor and its source piece."""
-    import hashlib
-
+    a file changed since it was written still names the file, the tensor and its source piece.
+    Records of either hash are checked with it: the fast digest, or SHA-256 in a manifest
+    written before the fast digest was recorded."""
     import torch
+
+    from rayexport.common.digests import digest_of
 
     from rayexport.storage.store import Store
     from rayexport.verification import files
@@ -68,14 +70,14 @@ def test_a_changed_tensor_is_named_whether_or_not_the_files_digest_stands_for_it
     data = (tmp_path / "model.safetensors").read_bytes()
     offset = len(data) - tensors["a"].nbytes - tensors["b"].nbytes  # "a" is first in the file
     expected = ExpectedExport(
-        files={"model.safetensors": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+        files={"model.safetensors": {"size": len(data), algorithm: digest_of(data, algorithm)}},
         tensors={
-            key: {"dtype": "float32", "shape": list(value.shape), "sha256": hashlib.sha256(tensor_bytes(value)).hexdigest()}
+            key: {"dtype": "float32", "shape": list(value.shape), algorithm: digest_of(tensor_bytes(value), algorithm)}
             for key, value in tensors.items()
         },
         pieces={key: [{"offset": [0, 0], "shape": list(value.shape), "rank": 0, "source_key": key,
-                       "sha256": hashlib.sha256(tensor_bytes(value)).hexdigest()}] for key, value in tensors.items()},
-        written_together=written_together,
+                       algorithm: digest_of(tensor_bytes(value), algorithm)}] for key, value in tensors.items()},
+        written_together=written_together, digest=algorithm,
     )
     store = Store(str(tmp_path))
     [intact] = files.check_files(store, ["model.safetensors"], expected)
@@ -85,7 +87,7 @@ def test_a_changed_tensor_is_named_whether_or_not_the_files_digest_stands_for_it
     (tmp_path / "model.safetensors").write_bytes(bytes(changed))
     [check] = files.check_files(store, ["model.safetensors"], expected)
     assert check.problems == [
-        "integrity: file model.safetensors does not match its recorded sha256",
+        f"integrity: file model.safetensors does not match its recorded {algorithm} digest",
         "integrity: tensor 'a' does not match its recorded digest",
         "fidelity: tensor 'a' at offset [0, 0] differs from rank 0's 'a'",
     ]

@@ -45,13 +45,13 @@ def save_manifest(folder, manifest):
 
 
 def rewrite_recorded(folder, name, data: bytes):
-    """Replace a file and its recorded size and sha256, as a consistent writer bug would."""
-    import hashlib
+    """Replace a file and its recorded size and digest, as a consistent writer bug would."""
+    from rayexport.common.digests import FAST, digest_of
 
     with open(f"{folder}/{name}", "wb") as handle:
         handle.write(data)
     manifest = manifest_of(folder)
-    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"][name] = {"size": len(data), FAST: digest_of(data)}
     save_manifest(folder, manifest)
 
 
@@ -76,6 +76,50 @@ def test_no_manifest_is_not_a_committed_export(export_copy):
 
 
 def test_flipped_byte_fails_the_file_digest(export_copy):
+    path = f"{export_copy}/{SHARD_1}"
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    fails(export_copy, "integrity", SHARD_1, "xxh3_128")
+
+
+def as_written_before_the_fast_digest(folder):
+    """Rewrite the export's manifest as rayexport wrote it before the fast digest (format
+    rayexport/1: SHA-256 of every file, tensor and source piece under "sha256", no `digest`)."""
+    import hashlib
+
+    import torch
+
+    from rayexport.transport.writer import tensor_bytes
+
+    manifest = manifest_of(folder)
+    tensors = {key: value for name in os.listdir(folder) if name.startswith("model-")
+               for key, value in load_file(f"{folder}/{name}").items()}
+    for name, record in manifest["files"].items():
+        manifest["files"][name] = {"size": record["size"], "sha256": hashlib.sha256(open(f"{folder}/{name}", "rb").read()).hexdigest()}
+    for key, record in manifest["tensors"].items():
+        record["sha256"] = hashlib.sha256(tensor_bytes(tensors[key])).hexdigest()
+        del record["xxh3_128"]
+    for key, pieces in manifest["source_pieces"].items():
+        for piece in pieces:
+            value, offset, shape = tensors[key], piece["offset"], piece["shape"]
+            if len(offset) == 1 and value.dim() != 1:  # a run of the flattened tensor
+                region = value.reshape(-1)[offset[0]:offset[0] + shape[0]]
+            else:
+                region = value[tuple(slice(start, start + length) for start, length in zip(offset, shape))]
+            piece["sha256"] = hashlib.sha256(tensor_bytes(torch.as_tensor(region))).hexdigest()
+            del piece["xxh3_128"]
+    manifest["format"] = "rayexport/1"
+    del manifest["digest"]
+    save_manifest(folder, manifest)
+
+
+def test_a_manifest_written_before_the_fast_digest_is_checked_with_sha256(export_copy):
+    """`rayexport verify` reads the manifests exports wrote before and after the fast digest:
+    SHA-256 records pass where the bytes match, and a flipped byte still fails, naming SHA-256."""
+    as_written_before_the_fast_digest(export_copy)
+    result = verify_uri(export_copy)
+    assert result["passed"] and result["checks"]["fidelity"]["pieces_checked"] > 0
     path = f"{export_copy}/{SHARD_1}"
     data = bytearray(open(path, "rb").read())
     data[-3] ^= 0x01
@@ -142,15 +186,14 @@ def test_swapped_tensors_fail_the_tensor_digests(export_copy):
 def test_swapped_tensors_fail_fidelity_even_with_consistent_digests(export_copy):
     """An exporter that wrote the wrong tensor under a name and recorded its digest: only the
     comparison with the source pieces can tell."""
-    import hashlib
-
+    from rayexport.common.digests import FAST, digest_of
     from rayexport.transport.writer import tensor_bytes
 
     first, second = swap_same_shaped(export_copy)
     manifest = manifest_of(export_copy)
     for name in [n for n in os.listdir(export_copy) if n.startswith("model-")]:
         for key, tensor in load_file(f"{export_copy}/{name}").items():
-            manifest["tensors"][key]["sha256"] = hashlib.sha256(tensor_bytes(tensor)).hexdigest()
+            manifest["tensors"][key][FAST] = digest_of(tensor_bytes(tensor))
     save_manifest(export_copy, manifest)
     message = fails(export_copy, "fidelity", "differs from rank")
     assert first in message or second in message
@@ -227,8 +270,7 @@ def lora_committed(lora_checkpoints, ray_address, tmp_path_factory):
 def rewrite_merged(folder, written, bug):
     """Rewrite Q_PROJ as a merge gone wrong would have written it, recording its digests as a
     consistent exporter would: the delta transposed, its scale doubled, or another layer's."""
-    import hashlib
-
+    from rayexport.common.digests import FAST, digest_of
     from safetensors.torch import save
 
     from rayexport.transport.writer import tensor_bytes
@@ -245,7 +287,7 @@ def rewrite_merged(folder, written, bug):
     tensors[Q_PROJ] = (written.reference_state[Q_PROJ] - right + wrong).to(tensors[Q_PROJ].dtype)
     rewrite_recorded(folder, "model.safetensors", save(tensors, metadata={"format": "pt"}))
     manifest = manifest_of(folder)
-    manifest["tensors"][Q_PROJ]["sha256"] = hashlib.sha256(tensor_bytes(tensors[Q_PROJ])).hexdigest()
+    manifest["tensors"][Q_PROJ][FAST] = digest_of(tensor_bytes(tensors[Q_PROJ]))
     save_manifest(folder, manifest)
 
 
@@ -266,7 +308,7 @@ def test_a_wrong_lora_merge_fails_fidelity(lora_committed, lora_checkpoints, tmp
 
 def test_full_reads_every_byte_back_once_and_quick_only_headers_and_the_sample(export_copy):
     """The checks read the destination by byte ranges: `full` streams each file once (its
-    sha256, every tensor's digest and every source piece from the same pass), `quick` reads the
+    digest, every tensor's digest and every source piece from the same pass), `quick` reads the
     small files and the sampled tensors' bytes, nothing else of the weights."""
     from rayexport.storage.store import Store
     from rayexport.verification.expected import ExpectedExport
@@ -305,6 +347,6 @@ def test_each_writer_checks_only_the_files_it_was_given(export_copy):
     mine = check_files(store, [SHARD_1], expected)
     others = check_files(store, sorted(set(expected.files) - {SHARD_1}), expected)
     assert all(not check.problems for check in others)
-    assert mine[0].problems[0] == f"integrity: file {SHARD_1} does not match its recorded sha256"
+    assert mine[0].problems[0] == f"integrity: file {SHARD_1} does not match its recorded xxh3_128 digest"
     with pytest.raises(VerificationError, match=f"integrity: file {SHARD_1} does not match"):
         conclude(store, others + mine, expected)

@@ -6,7 +6,7 @@ at the bottom of the package (it imports nothing), so every layer can ask it.
 
 - `auto`: what an export runs unless told otherwise: `full`, at any size (the reload streams a
   model larger than the memory bound).
-- `full`: every byte of every file re-read once (each file's sha256, every tensor's digest and
+- `full`: every byte of every file re-read once (each file's digest, every tensor's digest and
   its source pieces), and the reload loads the weights and runs a forward pass.
 - `quick`: the small files whole, the weight files' headers and a deterministic sample of
   tensors' bytes, and the reload compares names and shapes with the model built on the meta

@@ -193,13 +193,12 @@ def _files_of(metadata: Metadata, stored_keys: set[str]) -> set[str]:
 
 def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> SpooledTensors:
     """Read the whole tensors `keys` (model keys) into one local file in `spool_dir`, memory-mapped;
-    return them keyed by model key, with whether each is finite.
+    return them keyed by model key.
 
     `torch.distributed.checkpoint.load` runs without a process group and reads only the chunks
     of these tensors, from local files or, for a remote store, with one ranged request each.
-    Each chunk is copied straight into its place in the mapped spool file, checked for NaN and
-    Inf, and its pages given back, so this process holds about one chunk at a time, not its share
-    of the model; the spool is also a snapshot, which later passes read rather than the source.
+    Each chunk is copied straight into its place in the mapped spool file and its pages given
+    back, so this process holds about one chunk at a time, not its share of the model; the spool is also a snapshot, which later passes read rather than the source.
     Whole rank files are never spooled: every FSDP rank file holds a slice of every tensor, so
     that would copy the whole checkpoint to each worker.
     Tensor data is loaded with torch's weights-only unpickler; `.metadata` as
@@ -210,15 +209,11 @@ def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> 
     if unknown:
         raise ExportError(f"no tensor '{unknown[0]}' in DCP checkpoint '{store.uri}'")
     if not keys:
-        return SpooledTensors({}, {}, None)
+        return SpooledTensors({}, None)
     metadata = _unchanged_metadata(checkpoint, keys)
     wanted = [checkpoint.tensors[key] for key in keys]
-    state, finite, path = spool(store, metadata, wanted, spool_dir)
-    return SpooledTensors(
-        {key: state[tensor.key] for key, tensor in zip(keys, wanted)},
-        {key: finite[tensor.key] for key, tensor in zip(keys, wanted)},
-        path,
-    )
+    state, path = spool(store, metadata, wanted, spool_dir)
+    return SpooledTensors({key: state[tensor.key] for key, tensor in zip(keys, wanted)}, path)
 
 
 Chunks = dict[str, dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]]
@@ -262,12 +257,11 @@ def read_file_chunks(checkpoint: DcpCheckpoint, name: str, spool_dir: str, slot:
             nbytes = math.prod(sizes) * dtype_of(tensor.dtype).itemsize
             chunks[model_key] = DcpTensor(tensor.key, sizes, tensor.dtype, nbytes), offset
     wanted = [chunk for chunk, _ in chunks.values()]
-    state, finite, path = spool(
+    state, path = spool(
         checkpoint.store, metadata, wanted, spool_dir, {chunk.key: offset for chunk, offset in chunks.values()}
     )
     return SpooledTensors(
         {key: state[chunk.key] for key, (chunk, _) in chunks.items()},
-        {key: finite[chunk.key] for key, (chunk, _) in chunks.items()},
         path,
         {key: (offset, checkpoint.tensors[key].shape) for key, (_, offset) in chunks.items()},
     )

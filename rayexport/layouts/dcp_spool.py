@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from rayexport.common.dtypes import dtype_name, dtype_of
 from rayexport.common.errors import ExportError
-from rayexport.common.scan import CHUNK_ELEMENTS, is_finite
 from rayexport.layouts.base import Advance, MappedTensors
 from rayexport.layouts.dcp_metadata import DcpTensor, reason, storage_reader, unwrap
 from rayexport.layouts.mapped import release_pages
@@ -35,42 +34,39 @@ SPOOL_ALIGNMENT = 64
 def spool(
     store: Store, metadata: Metadata, wanted: list[DcpTensor], spool_dir: str,
     chunk_offsets: dict[str, tuple[int, ...]] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, bool], str]:
+) -> tuple[dict[str, torch.Tensor], str]:
     """Read `wanted` (whole tensors, or with `chunk_offsets` the chunks starting there) into a
-    new spool file: their views by stored key, whether each is finite, and the file's path."""
+    new spool file: their views by stored key, and the file's path."""
     offsets, size = spool_offsets(wanted)
     path = _new_spool_file(spool_dir, size, store.uri)
     try:
         spool = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         state = {tensor.key: _view(spool, offset, tensor) for tensor, offset in zip(wanted, offsets)}
-        finite = {tensor.key: True for tensor in wanted}
-        _load_into(store, metadata, state, finite, chunk_offsets)
+        _load_into(store, metadata, state, chunk_offsets)
     except BaseException:
         os.remove(path)
         raise
-    return state, finite, path
+    return state, path
 
 
 class SpooledTensors(MappedTensors):
     """A worker's share of a DCP checkpoint: whole tensors by model key, views of one spool file
-    mapped into this process (read from disk only when touched), and whether each is finite."""
+    mapped into this process (read from disk only when touched)."""
 
     def __init__(
-        self, tensors: dict[str, torch.Tensor], finite: dict[str, bool], path: str | None,
+        self, tensors: dict[str, torch.Tensor], path: str | None,
         chunks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
     ) -> None:
         super().__init__(tensors, path)
-        self.finite = finite
         self.chunks = chunks or {}  # model key -> (offset, global shape), for chunks of tensors
 
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
-        """Every tensor (a plain, whole tensor, or a chunk placed in its tensor), with the
-        finiteness found while reading it."""
+        """Every tensor: a plain, whole tensor, or a chunk placed in its tensor."""
         infos = {}
         for key, tensor in self.tensors.items():
             offset, global_shape = self.chunks.get(key, (None, None))
             infos[key] = ShardInfo(
-                local_shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype), finite=self.finite[key],
+                local_shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype),
                 global_shape=global_shape, offset=offset,
             )
             advance(tensor.nbytes)
@@ -113,15 +109,14 @@ def _view(spool: torch.Tensor, offset: int, tensor: DcpTensor) -> torch.Tensor:
 
 
 def _load_into(
-    store: Store, metadata: Metadata, state: dict[str, torch.Tensor], finite: dict[str, bool],
+    store: Store, metadata: Metadata, state: dict[str, torch.Tensor],
     chunk_offsets: dict[str, tuple[int, ...]] | None = None,
 ) -> None:
-    """Fill `state` (stored keys to views of the spool) with one `load`, chunk by chunk; clear
-    `finite[key]` when a chunk of `key` holds NaN or Inf. With `chunk_offsets`, each view is
-    the one saved chunk of its tensor that starts there."""
+    """Fill `state` (stored keys to views of the spool) with one `load`, chunk by chunk, giving
+    back each chunk's pages once it has landed. With `chunk_offsets`, each view is the one saved
+    chunk of its tensor that starts there."""
 
     def landed(key: str, chunk: torch.Tensor) -> None:
-        finite[key] = finite[key] and _chunk_is_finite(chunk)
         release_pages([page_span(state[key])])
 
     try:
@@ -169,14 +164,6 @@ class _ChunkPlanner(_WatchingPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[index.fqn]
 
-
-def _chunk_is_finite(region: torch.Tensor) -> bool:
-    """`is_finite` of a region of a tensor, which is strided when the chunk is not whole rows:
-    checked a block of rows at a time, so only a block is ever copied."""
-    if region.is_contiguous():
-        return is_finite(region)
-    rows = max(1, CHUNK_ELEMENTS // max(1, region[0].numel()))
-    return all(is_finite(block.contiguous()) for block in region.split(rows))
 
 
 def page_span(tensor: torch.Tensor) -> tuple[int, int]:

@@ -25,7 +25,6 @@ import torch
 
 from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
-from rayexport.common.scan import is_finite
 from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, load_ranks, MappedTensors, SourceSettings, SourceTensors
 from rayexport.layouts.mapped import mapped_ranges
 from rayexport.layouts.torch_zip import StandIn, TensorRef, TorchZip
@@ -126,10 +125,10 @@ class RunTensors(MappedTensors):
         for key, tensor in self.tensors.items():
             dtype, source = str(tensor.dtype).removeprefix("torch."), self.sources[key]
             if source.start is None:
-                infos[key] = ShardInfo(local_shape=tuple(tensor.shape), dtype=dtype, finite=is_finite(tensor))
+                infos[key] = ShardInfo(local_shape=tuple(tensor.shape), dtype=dtype)
             else:
                 infos[key] = ShardInfo(local_shape=(tensor.numel(),), dtype=dtype, global_shape=source.shape,
-                                       offset=(source.start,), flat=True, finite=is_finite(tensor))
+                                       offset=(source.start,), flat=True)
             advance(tensor.nbytes)
         return infos
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from torch.distributed.checkpoint._hf_utils import _gen_file_name, _metadata_fn
 
 from rayexport.common.errors import ExportError, one_line
-from rayexport.common.scan import is_finite
 from rayexport.layouts.base import HF_DIR, Advance, Checkpoint, Loaded, LoadStep, load_ranks, SourceSettings, SourceTensors
 from rayexport.layouts.hf import SafetensorsFiles
 from rayexport.layouts.hf_sharded_headers import Piece, full_shape, header_pieces, read_header
@@ -98,7 +97,7 @@ class ShardFiles(SafetensorsFiles):
             piece, tensor = self.checkpoint.pieces[name][key], self[key]
             infos[key] = ShardInfo(
                 local_shape=piece.shape, dtype=piece.dtype, global_shape=self.checkpoint.shapes[key],
-                offset=piece.offset, finite=is_finite(tensor),
+                offset=piece.offset,
             )
             advance(tensor.nbytes)
         return infos

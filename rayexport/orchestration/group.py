@@ -267,7 +267,10 @@ class WorkerGroup:
         """Run the gather: every worker sends its pieces and writes its files; worker 0 also
         writes the index and the carried files."""
         results = self._get([
-            actor.transfer.remote(transfer, plans, destination, split if index == 0 else None, carried if index == 0 else {})
+            actor.transfer.remote(
+                transfer, plans, destination, split if index == 0 else None, carried if index == 0 else {},
+                self.options.sha256,
+            )
             for index, actor in enumerate(self.actors)
         ])
         merged = Transferred(files={}, tensor_digests={}, worker_stats=[result.stats for result in results])
@@ -295,9 +298,11 @@ class WorkerGroup:
             return None
 
     def update_memory(self, worker_stats: list[WorkerStats]) -> None:
-        """Bring each worker's peak and working memory up to now (after the verification too)."""
+        """Bring each worker's peak and working memory, and its passes' bytes, up to now (after
+        the verification too)."""
         for stats, now in zip(worker_stats, self._get([actor.stats.remote() for actor in self.actors])):
             stats.peak_rss_bytes, stats.working_memory_bytes = now.peak_rss_bytes, now.working_memory_bytes
+            stats.passes = now.passes
 
     def shutdown(self, graceful: bool = True) -> None:
         """Remove the actors (letting them leave the group and drop spooled files when

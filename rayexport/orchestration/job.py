@@ -1,5 +1,5 @@
 """Orchestration: the export as its steps, around an `ExportPlan`: plan on the driver (while the
-workers start), load, plan the output, transfer, verify the files, run the consumer checks (on
+workers start), load, plan the output, scan the source, transfer, verify the files, run the consumer checks (on
 worker 0, each in a process it started with the group), commit, report; each phase timed.
 
 Any failure kills every actor, removes the placement group, and leaves DST without a manifest.
@@ -13,7 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
+from rayexport.common.digests import FAST
 from rayexport.common.dtypes import nbytes
+from rayexport.common.passes import summed as summed_passes
 from rayexport.common.errors import ExportError
 from rayexport.common.levels import resolved, runs_checks
 from rayexport.common.memory import peak_rss_bytes
@@ -24,7 +26,7 @@ from rayexport.orchestration.export_plan import ExportPlan, plan_export
 from rayexport.orchestration.group import Transferred, WorkerGroup
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.progress import shown_progress
-from rayexport.orchestration.references import source_pieces
+from rayexport.orchestration.references import scan_source
 from rayexport.orchestration.report import ExportReport
 from rayexport.orchestration.workers import WorkerStats
 from rayexport.plan.formats import ModelFormats
@@ -48,7 +50,6 @@ class Source:
 
     loaded: Loaded
     base_infos: dict | None
-    finite: bool  # False: the checkpoint itself holds NaN/Inf (exported with a warning)
 
 
 @dataclass
@@ -132,7 +133,7 @@ def _load(plan: ExportPlan, group: WorkerGroup, model: ModelDescription) -> Sour
             base = group.load(base_model_folder(plan.base_model), {})
             (base_infos,) = base.rank_infos.values()
             loaded.worker_of_rank.update(base.worker_of_rank)
-    return Source(loaded, base_infos, _check_finite(loaded.rank_infos, plan.options.strict))
+    return Source(loaded, base_infos)
 
 
 def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, source: Source) -> OutputPlan:
@@ -178,26 +179,28 @@ def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, 
 def _write_and_check(
     plan: ExportPlan, group: WorkerGroup, model: ModelDescription, source: Source, output: OutputPlan
 ) -> tuple[ExpectedExport, Transferred, dict[str, Any] | None, Any]:
-    """Record the source pieces' digests, run the gather that writes every file, and have each
-    writer re-read what it wrote while worker 0 starts the consumer checks. Returns what the
-    export must hold, what was written, the file checks' numbers and the consumer checks' call
-    (both None with --verify none)."""
+    """Scan the source pieces (NaN/Inf, and their digests unless --verify none), run the gather
+    that writes every file, and have each writer re-read what it wrote while worker 0 starts
+    the consumer checks. Returns what the export must hold, what was written, the file checks'
+    numbers and the consumer checks' call (both None with --verify none)."""
     options, planning = plan.options, output.planning
     level = resolved(options.verify)
-    with plan.stage("source_digests"):
-        reference = source_pieces(group, planning, source.loaded.worker_of_rank) if runs_checks(level) else {}
+    with plan.stage("source_scan") as moved:
+        scanned = scan_source(group, planning, source.loaded.worker_of_rank, digests=runs_checks(level))
+        moved["bytes"] = sum(piece.nbytes for tensor in planning.tensors + planning.adapters for piece in tensor.pieces)
+    finite = _check_finite(scanned.non_finite, options.strict)
     carried = {**model.carried, **generated_files(model.config, planning, bool(output.untied), options.base_model)}
     with plan.stage("transfer") as moved:
         written = group.transfer(output.transfer, output.by_name, output.split, plan.destination, carried)
         moved["bytes"] = written.bytes_written
     tensors = {
-        tensor.name: {"dtype": tensor.dtype, "shape": list(tensor.shape), "sha256": written.tensor_digests[tensor.name]}
+        tensor.name: {"dtype": tensor.dtype, "shape": list(tensor.shape), FAST: written.tensor_digests[tensor.name]}
         for tensor in output.by_name.values()
     }
     expected = ExpectedExport(
         files=written.files, tensors=tensors, tied=_tied_pairs(model.formats, planning, output.untied),
-        adapter=bool(planning.adapters), pieces=reference, level=level, trust_remote_code=options.trust_remote_code,
-        format=planning.format, source_finite=source.finite, written_together=True, serve=options.serve,
+        adapter=bool(planning.adapters), pieces=scanned.pieces, level=level, trust_remote_code=options.trust_remote_code,
+        format=planning.format, source_finite=finite, written_together=True, serve=options.serve,
     )
     consumers = group.start_consumer_checks(plan.destination, expected) if runs_checks(level) else None
     with plan.stage("verify_files") as moved:
@@ -225,6 +228,7 @@ def _report(
             "gathered": sum(stats.bytes_received for stats in written.worker_stats),
             "written": written.bytes_written,
         },
+        passes=summed_passes(stats.passes for stats in written.worker_stats),
         peak_rss_bytes={
             "driver": peak_rss_bytes(),
             **{worker: stats.peak_rss_bytes for worker, stats in by_worker.items()},
@@ -324,10 +328,9 @@ def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, f
     return plan(untied), untied
 
 
-def _check_finite(rank_infos: dict[int, dict[str, Any]], strict: bool) -> bool:
-    """NaN or Inf in the weights: a warning naming the tensors, or with --strict the end.
-    Returns whether every weight is finite."""
-    bad = sorted({key for infos in rank_infos.values() for key, info in infos.items() if not info.finite})
+def _check_finite(bad: list[str], strict: bool) -> bool:
+    """NaN or Inf in the weights (`bad`: their source keys): a warning naming them, or with
+    --strict the end, before anything is written. Returns whether every weight is finite."""
     if not bad:
         return True
     message = f"tensor '{bad[0]}' holds NaN or Inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")

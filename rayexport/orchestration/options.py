@@ -100,6 +100,8 @@ class ExportOptions:
     untie: bool = option(False, "tied tensors whose saved values differ: keep both and untie the config",
                          group=OUTPUT, recorded=True)
     force: bool = option(False, "replace a committed export at DST", group=OUTPUT)
+    sha256: bool = option(False, "also record each file's SHA-256 in the manifest (what sha256sum and the Hub's "
+                          "LFS pointers use; the checks compare a fast 128-bit digest either way)", group=OUTPUT)
     workers: int | None = option(help="worker actors (default: min(world size, cluster CPUs))", group=CLUSTER,
                                  metavar="N")
     writers: int = option(1, "workers that each write a disjoint share of the output files", group=CLUSTER,

@@ -1,10 +1,10 @@
 """The export's one progress bar, on the driver, fed by the workers' counters.
 
-Each worker counts the bytes it has spooled, loaded, sent, written and verified, and what it
-expects to (`WorkerProgress`, a step adding to both as it starts); the driver asks every worker
-for its counters now and then and shows their sums (`ExportProgress`): on a terminal as one bar
-of the current phase's bytes against that phase's total, with rate and time left, and the other
-counters beside it; elsewhere (a Ray job's log, CI) as a log line at most every LINE_INTERVAL_S.
+Each worker counts the bytes it has spooled, loaded, scanned, sent, written and verified, and
+what it expects to (`WorkerProgress`, a step adding to both as it starts); the driver asks every
+worker for its counters now and then and shows their sums (`ExportProgress`): on a terminal as
+one bar of the current phase's bytes against that phase's total, with rate and time left, and
+the other counters beside it; elsewhere (a Ray job's log, CI) as a log line at most every LINE_INTERVAL_S.
 No worker draws a bar of its own."""
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import IO, Callable, Iterator
 log = logging.getLogger(__name__)
 
 # What each phase's bar counts (the phases without bytes, such as the reload, show their time).
-KINDS = ("spooled", "loaded", "sent", "written", "verified")
-PHASE_COUNTS = {"load": ("spooled", "loaded"), "transfer": ("written",), "verify_files": ("verified",)}
+KINDS = ("spooled", "loaded", "scanned", "sent", "written", "verified")
+PHASE_COUNTS = {
+    "load": ("spooled", "loaded"), "source_scan": ("scanned",), "transfer": ("written",), "verify_files": ("verified",),
+}
 # How often the driver asks the workers on a terminal, and how often a log line is written elsewhere.
 POLL_S = 0.5
 LINE_INTERVAL_S = 5.0
@@ -74,8 +76,18 @@ def counters_text(progress: WorkerProgress) -> str:
     for kind in KINDS:
         done, expected = progress.done[kind], progress.expected[kind]
         if done or expected:
-            parts.append(f"{kind} {_size(done)}" + (f"/{_size(expected)}" if expected else ""))
+            parts.append(f"{kind} {_fraction(done, expected) if expected else _size(done)}")
     return ", ".join(parts)
+
+
+def _fraction(done: int, expected: int) -> str:
+    """`1.2/2.4 GB`, or `900 MB/2.4 GB` where the units differ: short enough that a bar with
+    every counter fits a 120-column terminal."""
+    done_text, expected_text = _size(done), _size(expected)
+    done_number, _, done_unit = done_text.partition(" ")
+    if done_unit == expected_text.partition(" ")[2]:
+        return f"{done_number}/{expected_text}"
+    return f"{done_text}/{expected_text}"
 
 
 def progress_line(phase: str, progress: WorkerProgress, seconds: float) -> str:

@@ -10,12 +10,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
+from rayexport.common.passes import per_byte
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ExportReport:
-    """What an export did: per-stage seconds, bytes, peak memory per actor, files, verification."""
+    """What an export did: per-stage seconds, bytes and passes over them, peak memory per
+    actor, files, verification."""
 
     source: str
     destination: str
@@ -33,6 +36,8 @@ class ExportReport:
     dtype_reason: str = ""  # why that dtype
     seconds: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
+    # per phase, the bytes each kind of pass touched, all workers together (`rayexport.common.passes`)
+    passes: dict[str, dict[str, int]] = field(default_factory=dict)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
     # per worker: its peak memory above what it held before loading (the transfer window, the
     # verification); "reload": the reload check's process, above what it held once started
@@ -70,6 +75,7 @@ class ExportReport:
             + f"; {self.dtype} tensors",
             "  seconds: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.seconds.items())
             + f" (total {total:.1f})",
+            *passes_lines(self.passes, written),
             "  peak memory per actor: "
             + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in self.peak_rss_bytes.items()),
             f"  verified ({self.verification.get('level')}): " + ", ".join(self.verification.get("checks", {}))
@@ -78,6 +84,18 @@ class ExportReport:
             f"  committed: {self.manifest}",
         ]
         return "\n".join(lines)
+
+
+def passes_lines(passes: dict[str, dict[str, int]], model_bytes: int) -> list[str]:
+    """`passes per byte: source_scan read 1.0, scanned 1.0, hashed 1.0; ...`, the passes over
+    the model's bytes, when they were counted."""
+    if not passes or not model_bytes:
+        return []
+    phases = [
+        f"{phase} " + ", ".join(f"{kind} {count:g}" for kind, count in kinds.items())
+        for phase, kinds in per_byte(passes, model_bytes).items()
+    ]
+    return ["  passes per byte: " + "; ".join(phases)]
 
 
 def serve_lines(checks: dict[str, Any]) -> list[str]:

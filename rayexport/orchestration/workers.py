@@ -9,7 +9,6 @@ stays at the transfer window whatever the size of its files.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -24,7 +23,8 @@ from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
 from rayexport.common.levels import reads_whole_files
 from rayexport.common.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from rayexport.common.scan import max_abs_difference
+from rayexport.common.passes import Passes
+from rayexport.common.scan import max_abs_difference, scan_and_digest
 from rayexport.layouts import registry  # noqa: F401 - each layout's Checkpoint arrives pickled: imported at start, not in a load
 from rayexport.layouts.base import Checkpoint, Part
 from rayexport.layouts.mapped import release_pages
@@ -38,7 +38,7 @@ from rayexport.plan.shards import ShardInfo, local_tensor
 from rayexport.storage.store import Store
 from rayexport.transport import gather
 from rayexport.transport.assembly import piece_tensor
-from rayexport.transport.writer import WrittenFile, tensor_bytes, write_index, write_shards
+from rayexport.transport.writer import WrittenFile, write_index, write_shards, written_bytes
 from rayexport.verification.consumers import discard_prepared, prepare_consumer_checks, run_consumer_checks
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.files import FileCheck, check_files
@@ -98,7 +98,7 @@ class WorkerStats:
     """One worker's measurements: where it ran, the bytes it read and received, its whole-life
     peak memory and its working memory (the peak above what it held before it loaded anything;
     None where Linux's peak reset is missing), on a GPU the most GPU memory the last transfer
-    held, and the files it wrote."""
+    held, the files it wrote, and the bytes of each pass it made (`rayexport.common.passes`)."""
 
     worker: int
     node: str
@@ -110,12 +110,13 @@ class WorkerStats:
     peak_gpu_bytes: int | None
     bytes_received: int = 0
     files_written: list[str] = field(default_factory=list)
+    passes: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
 class WorkerTransfer:
-    """What one worker's part of the gather wrote: its files (size, sha256), the digests of the
-    tensors it wrote, and its stats."""
+    """What one worker's part of the gather wrote: its files' records (size, digests), the
+    digests of the tensors it wrote, and its stats."""
 
     files: dict[str, dict[str, Any]]
     tensor_digests: dict[str, str]
@@ -141,6 +142,7 @@ class ExportWorker:
         self.resident_before_load: int | None = None
         self.prepared_checks: dict[str, Any] = {}
         self.progress_counts = WorkerProgress()
+        self.passes = Passes()
 
     def prepare_checks(self) -> None:
         """Worker 0: start what the consumer checks start ahead (the reload's process), so that
@@ -187,7 +189,8 @@ class ExportWorker:
 
     def load(self, checkpoint: Checkpoint, part: Part) -> dict[int, dict[str, ShardInfo]]:
         """Read this worker's `part` of the checkpoint, as its layout reads it (see
-        `Checkpoint.read`), memory-mapped; describe what each (pseudo-)rank holds."""
+        `Checkpoint.read`), memory-mapped; describe what each (pseudo-)rank holds. Mapped files'
+        values are first read by the source scan (`scan_source`)."""
         self._start_measuring()
         total = checkpoint.part_bytes(part)
         infos = {}
@@ -198,8 +201,12 @@ class ExportWorker:
         for rank, tensors in checkpoint.read(part, self.spool_dir, self.progress_counts.counter("spooled")).items():
             self.states[rank] = tensors
             self.mapped += tensors.mapped_ranges()
-            infos[rank] = tensors.describe(lambda count: (loaded(count), self.release_pages()))
+            infos[rank] = tensors.describe(loaded)
         self.bytes_read += total
+        spooled, count = self.progress_counts.done["spooled"], self.passes.counter("load")
+        if spooled:
+            count("read", spooled)
+            count("written", spooled)
         return infos
 
     def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
@@ -215,20 +222,23 @@ class ExportWorker:
                 self.release_pages()
         return differences
 
-    def source_digests(self, requests: list[tuple[Piece, str, tuple | None]]) -> list[str]:
-        """sha256 of each requested piece as this worker read it, cast to its output dtype: the
-        verification's reference, taken before the data goes near the gather. A piece of a
+    def scan_source(self, requests: list[tuple[Piece, str | None, tuple | None]]) -> list[tuple[bool, str | None]]:
+        """One pass over each requested piece as this worker read it, a chunk at a time: whether
+        its values are finite and, given its output dtype, the digest of its bytes cast to it
+        (the verification's reference, taken before the data goes near the gather). A piece of a
         LoRA-merged weight comes with its adapter, the arguments of `merge_lora` after W (A, B,
         scale, fan_in_fan_out), and is merged here a block of rows at a time."""
-        digests = []
+        count, scanned = self.passes.counter("source_scan"), self.progress_counts.counter("scanned")
+        self.progress_counts.expect("scanned", sum(piece.nbytes for piece, _, _ in requests))
+        results = []
         for piece, dtype, adapter in requests:
             values = self._local(piece)
-            digest = hashlib.sha256()
-            for chunk in [values] if adapter is None else merge_lora(values, *adapter, offset=piece.offset):
-                digest.update(tensor_bytes(chunk.to(dtype_of(dtype))))
-            digests.append(digest.hexdigest())
+            count("read", values.nbytes)
+            blocks = [values] if adapter is None else merge_lora(values, *adapter, offset=piece.offset)
+            results.append(scan_and_digest(blocks, dtype_of(dtype) if dtype is not None else None, count))
+            scanned(piece.nbytes)
             self.release_pages()
-        return digests
+        return results
 
     def read_pieces(self, pieces: list[Piece]) -> list[torch.Tensor]:
         """Copies of pieces this worker holds (LoRA halves, for the verification's reference)."""
@@ -243,10 +253,12 @@ class ExportWorker:
         destination: Store,
         index: StateDictSplit | None,
         carried: dict[str, bytes],
+        sha256: bool = False,
     ) -> WorkerTransfer:
         """This worker's part of the gather: send its pieces, and write the output files
         `transfer` gives it; worker 0 then writes the index of the model's files (`index`, the
-        shard split) and the small files the export carries (config, tokenizer, code)."""
+        shard split) and the small files the export carries (config, tokenizer, code). With
+        `sha256`, each file's SHA-256 is recorded beside its digest."""
         started = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -255,20 +267,21 @@ class ExportWorker:
         self.progress_counts.expect("written", total)
         self.progress_counts.expect("sent", gather.sent_bytes(transfer.buckets, self.index))
 
+        count = self.passes.counter("transfer")
+
         def write(tensors) -> tuple[list[WrittenFile], dict[str, str]]:
-            return write_shards(destination, my_files, plans, tensors, self.progress_counts.counter("written"))
+            return write_shards(destination, my_files, plans, tensors, self.progress_counts.counter("written"), sha256, count)
 
         written, digests = gather.run_transfer(
             self.index, transfer.buckets, plans, self._local, self.device,
             write if my_files else None, after_read=self.release_pages, sent=self.progress_counts.counter("sent"),
+            count=count,
         ) or ([], {})
-        index_file = write_index(destination, index) if index is not None else None
-        files = {
-            item.name: {"size": item.size, "sha256": item.sha256} for item in written + ([index_file] if index_file else [])
-        }
+        index_file = write_index(destination, index, sha256) if index is not None else None
+        files = {item.name: item.record() for item in written + ([index_file] if index_file else [])}
         for name, data in sorted(carried.items()):
             destination.write_bytes(name, data)
-            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            files[name] = written_bytes(name, data, sha256).record()
         seconds = time.perf_counter() - started
         if total:
             log.info("worker %d wrote %d bytes in %.2f s (%.1f MB/s)", self.index, total, seconds, total / max(seconds, 1e-9) / 1e6)
@@ -282,7 +295,7 @@ class ExportWorker:
         `rayexport.verification.files.check_files`), counting the bytes read."""
         if reads_whole_files(expected.level):
             self.progress_counts.expect("verified", sum(expected.files[name]["size"] for name in names))
-        return check_files(destination, names, expected, self.progress_counts.counter("verified"))
+        return check_files(destination, names, expected, self.progress_counts.counter("verified"), self.passes.counter("verify_files"))
 
     def progress(self) -> WorkerProgress:
         """This export's bytes done and expected so far (asked by the driver for its bar, from a
@@ -297,6 +310,7 @@ class ExportWorker:
             bytes_read=self.bytes_read, peak_rss_bytes=max(self.earlier_peak_rss, peak),
             working_memory_bytes=peak - self.resident_before_load if self.resident_before_load is not None else None,
             peak_gpu_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+            passes=self.passes.snapshot(),
         )
 
     def _start_measuring(self) -> None:
@@ -320,6 +334,7 @@ class ExportWorker:
         self.mapped = []
         self.bytes_read = 0
         self.progress_counts = WorkerProgress()
+        self.passes = Passes()
         self.resident_before_load = None
         self._drop_spool()
         if export_id is not None:

@@ -9,7 +9,6 @@ import torch
 
 from rayexport.common.dtypes import dtype_name
 from rayexport.common.errors import ExportError
-from rayexport.common.scan import is_finite
 
 
 @dataclass(frozen=True)
@@ -23,7 +22,6 @@ class ShardInfo:
     mesh_shape: tuple[int, ...] | None = None
     mesh_ranks: tuple[int, ...] | None = None  # the device mesh, flattened row-major
     coordinate: tuple[int, ...] | None = None
-    finite: bool = True  # False when this rank's part holds NaN or Inf
     # where the part starts in the global tensor, where the reader is told outright (a DCP chunk)
     offset: tuple[int, ...] | None = None
     # the part is a run of the flattened tensor (of `global_shape`), `local_shape` (n,) elements
@@ -41,10 +39,9 @@ def describe_tensor(value: torch.Tensor, rank: int) -> ShardInfo:
     """The placement of one rank's (D)Tensor, without needing a process group."""
     local = local_tensor(value)
     dtype = dtype_name(local.dtype)
-    finite = is_finite(local)
     mesh = getattr(value, "device_mesh", None)
     if mesh is None:
-        return ShardInfo(local_shape=tuple(local.shape), dtype=dtype, finite=finite)
+        return ShardInfo(local_shape=tuple(local.shape), dtype=dtype)
     positions = (mesh.mesh == rank).nonzero()
     if len(positions) != 1:
         raise ExportError(f"rank {rank} is not in the device mesh its own file records")
@@ -56,7 +53,6 @@ def describe_tensor(value: torch.Tensor, rank: int) -> ShardInfo:
         mesh_shape=tuple(mesh.mesh.shape),
         mesh_ranks=tuple(int(member) for member in mesh.mesh.flatten()),
         coordinate=tuple(int(index) for index in positions[0]),
-        finite=finite,
     )
 
 

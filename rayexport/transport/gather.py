@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rayexport.common.errors import ExportError
+from rayexport.common.passes import Count, ignore
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import Bucket, packed_offsets
@@ -101,7 +102,7 @@ class _Slot:
 class Staging:
     """The window's buffers: `size` slots allocated once and reused bucket after bucket, so a
     worker's memory for the gather (host, and GPU under NCCL) is `size` times its largest
-    bucket, whatever the model's size.
+    bucket, whatever the model's size. `count` gets the bytes it packs, sends and receives.
 
     How the order of the bytes is guaranteed (the host reads a received slot only once
     `receive` has returned, and reuses a sent one only once `finish_send` has):
@@ -116,8 +117,8 @@ class Staging:
       blocking the host on it: only then is the slot's host buffer read, or the slot reused.
     """
 
-    def __init__(self, device: torch.device, capacity: int, size: int = WINDOW) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, capacity: int, size: int = WINDOW, count: Count = ignore) -> None:
+        self.device, self.count = device, count
         self.on_gpu = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.on_gpu else None
         self.free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
@@ -143,6 +144,8 @@ class Staging:
         """Pack `tensors` into the slot and start sending them to `writer`; the slot comes back
         once the send has left it (`finish_send`)."""
         size = pack(pieces, tensors, into=slot.host).numel()
+        for kind in ("read", "copied", "sent"):  # the source's bytes, packed, then sent
+            self.count(kind, size)
         self.to_wire(slot, size)
         self.sends.append((dist.isend(slot.wire[:size], dst=writer), slot))
 
@@ -168,6 +171,7 @@ class Staging:
             position += size
         for request in requests:
             request.wait()
+        self.count("received", position)
         self.to_host(slot, position)
         received = {}
         for pieces, start, size in placed:
@@ -207,6 +211,7 @@ def run_transfer(
     window: int = WINDOW,
     after_read: Callable[[], None] = lambda: None,
     sent: Callable[[int], None] = lambda count: None,
+    count: Count = ignore,
 ) -> T | None:
     """This worker's part of the gather, stepping through the buckets in the planned order.
 
@@ -215,10 +220,10 @@ def run_transfer(
     running in a thread, so receiving bucket k+1 overlaps writing bucket k. At most `window`
     buckets are held at once (see `Staging`). `after_read` runs once a bucket's source bytes
     have been packed or written (to give back mapped pages), `sent` with the bytes of each
-    bucket this worker has sent. Returns what `write` returns (None when this worker writes
-    nothing)."""
+    bucket this worker has sent, `count` with those of each pass. Returns what `write` returns
+    (None when this worker writes nothing)."""
     ready: queue.Queue = queue.Queue()
-    staging = Staging(device, staging_bytes(buckets, rank), window)
+    staging = Staging(device, staging_bytes(buckets, rank), window, count)
     outcome: dict[str, Any] = {}
     holding: list[_Slot] = []  # the slot of the bucket the writer is on
 
@@ -226,8 +231,11 @@ def run_transfer(
         while (item := ready.get()) is not None:
             bucket, slot, pieces = item
             holding.append(slot)
+            held = {id(tensor) for tensor in pieces.values()}
             for name in bucket.tensors:
-                yield name, output_chunks(plans[name], pieces)
+                chunks = output_chunks(plans[name], pieces)
+                count("copied", sum(chunk.nbytes for chunk in chunks if id(chunk) not in held))  # assembled
+                yield name, chunks
             del item, pieces
             staging.release(holding.pop())
             after_read()
@@ -254,6 +262,7 @@ def run_transfer(
                     break
                 pieces = staging.receive(slot, bucket, rank)
                 pieces.update((piece, local_piece(piece)) for piece in bucket.sends[rank])
+                count("read", sum(piece.nbytes for piece in bucket.sends[rank]))
                 ready.put((bucket, slot, pieces))
                 del pieces
             elif _wire_bytes(bucket, rank):

@@ -8,7 +8,8 @@ from typing import Any
 from rayexport.storage.store import Store
 
 MANIFEST_NAME = "export_manifest.json"
-MANIFEST_FORMAT = "rayexport/1"
+# 2: every digest is the one `digest` names (xxh3_128); 1: SHA-256, no `digest` field
+MANIFEST_FORMAT = "rayexport/2"
 
 
 def build_manifest(
@@ -20,8 +21,8 @@ def build_manifest(
     expected: dict[str, Any],
     verification: dict[str, Any],
 ) -> dict[str, Any]:
-    """The manifest's content: what was exported and how; every file's size and sha256, every
-    tensor's dtype, shape and digest, the tied pairs and the source pieces' digests (what
+    """The manifest's content: what was exported and how; the hash its digests use, every
+    file's size and digest (and SHA-256 with `--sha256`), every tensor's dtype, shape and digest, the tied pairs and the source pieces' digests (what
     `rayexport.verify` checks again); and the verification result."""
     return {
         "format": MANIFEST_FORMAT,

@@ -6,7 +6,6 @@ no streaming writer), so each shard is written in one pass without holding it in
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +16,10 @@ import torch
 from huggingface_hub import StateDictSplit
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 
+from rayexport.common.digests import FAST, LEGACY, digest_of, new_digest
 from rayexport.common.dtypes import SAFETENSORS_DTYPES, dtype_of
 from rayexport.common.errors import ExportError
+from rayexport.common.passes import Count, ignore
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.schedule import ShardFile
 from rayexport.storage.store import Store
@@ -28,9 +29,21 @@ HEADER_METADATA = {"format": "pt"}
 
 @dataclass(frozen=True)
 class WrittenFile:
+    """A file as written: its size, its fast digest, and with `--sha256` its SHA-256."""
+
     name: str
     size: int
-    sha256: str
+    digest: str
+    sha256: str | None = None
+
+    def record(self) -> dict[str, object]:
+        """The file's entry in the manifest's `files`."""
+        return {"size": self.size, FAST: self.digest, **({LEGACY: self.sha256} if self.sha256 else {})}
+
+
+def written_bytes(name: str, data: bytes, sha256: bool = False) -> WrittenFile:
+    """The record of a small file written whole from `data`."""
+    return WrittenFile(name, len(data), digest_of(data), digest_of(data, LEGACY) if sha256 else None)
 
 
 def safetensors_header(tensors: list[TensorPlan]) -> bytes:
@@ -66,22 +79,26 @@ def write_shards(
     plans: dict[str, TensorPlan],
     tensors: Iterator[tuple[str, list[torch.Tensor]]],
     on_tensor: Callable[[int], None] = lambda nbytes: None,
+    sha256: bool = False,
+    count: Count = ignore,
 ) -> tuple[list[WrittenFile], dict[str, str]]:
     """Stream `tensors` (in the planned order, each as consecutive chunks of its bytes) into
     their shard files, casting each chunk to the planned dtype.
 
-    Returns each file's size and sha256, and each tensor's sha256; a file becomes visible only
-    once all its bytes are written.
+    Returns each file's record (size, digest, with `sha256` its SHA-256) and each tensor's
+    digest; a file becomes visible only once all its bytes are written. `count` gets the bytes
+    of each pass (see `rayexport.common.passes`).
     """
     written, digests = [], {}
-    # the tensor's digest is taken in a second thread while this one writes and takes the file's
-    # (hashlib lets go of the GIL on large buffers), so the two sha256 passes cost about one
-    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayexport-digest")
+    # SHA-256 (--sha256) is taken in a second thread while this one writes and takes the fast
+    # digests (hashlib lets go of the GIL on large buffers), so it costs the write little wall
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayexport-sha256") if sha256 else None
     try:
         for shard in shard_files:
-            written.append(_write_shard(store, shard, plans, tensors, on_tensor, digests, hasher))
+            written.append(_write_shard(store, shard, plans, tensors, on_tensor, digests, hasher, count))
     finally:
-        hasher.shutdown()
+        if hasher is not None:
+            hasher.shutdown()
     return written, digests
 
 
@@ -92,12 +109,17 @@ def _write_shard(
     tensors: Iterator[tuple[str, list[torch.Tensor]]],
     on_tensor: Callable[[int], None],
     digests: dict[str, str],
-    hasher: ThreadPoolExecutor,
+    hasher: ThreadPoolExecutor | None,
+    count: Count,
 ) -> WrittenFile:
     """One safetensors file: its header, then each tensor's bytes as they arrive."""
     ordered = [plans[name] for name in shard.tensors]
     header = safetensors_header(ordered)
-    file_digest = hashlib.sha256(header)
+    file_digest = new_digest()
+    file_digest.update(header)
+    file_sha256 = new_digest(LEGACY) if hasher is not None else None
+    if file_sha256 is not None:
+        file_sha256.update(header)
     size = len(header)
     with store.writer(shard.filename) as handle:
         handle.write(header)
@@ -109,26 +131,35 @@ def _write_shard(
                     f"internal error: expected tensor '{plan.name}' {list(plan.shape)}, "
                     f"got '{name}' {list(shape or ())}"
                 )
-            tensor_digest = hashlib.sha256()
+            tensor_digest = new_digest()
             for chunk in chunks:
-                data = tensor_bytes(chunk.to(dtype_of(plan.dtype)))
-                hashed = hasher.submit(tensor_digest.update, data)
+                cast = chunk.to(dtype_of(plan.dtype))
+                if cast is not chunk or not cast.is_contiguous():
+                    count("copied", cast.nbytes)
+                data = tensor_bytes(cast)
+                hashed = hasher.submit(file_sha256.update, data) if hasher is not None else None
                 handle.write(data)
                 file_digest.update(data)
-                hashed.result()
+                tensor_digest.update(data)
+                count("written", len(data))
+                count("hashed", 2 * len(data))
+                if hashed is not None:
+                    hashed.result()
+                    count("hashed_sha256", len(data))
             digests[name] = tensor_digest.hexdigest()
             size += plan.nbytes
             on_tensor(plan.nbytes)
-    return WrittenFile(shard.filename, size, file_digest.hexdigest())
+    sha256 = file_sha256.hexdigest() if file_sha256 is not None else None
+    return WrittenFile(shard.filename, size, file_digest.hexdigest(), sha256)
 
 
-def write_index(store: Store, split: StateDictSplit) -> WrittenFile | None:
+def write_index(store: Store, split: StateDictSplit, sha256: bool = False) -> WrittenFile | None:
     """Write `model.safetensors.index.json` when the model spans several files."""
     if not split.is_sharded:
         return None
     data = (json.dumps(index_json(split), indent=2) + "\n").encode()
     store.write_bytes(SAFETENSORS_INDEX_FILE, data)
-    return WrittenFile(SAFETENSORS_INDEX_FILE, len(data), hashlib.sha256(data).hexdigest())
+    return written_bytes(SAFETENSORS_INDEX_FILE, data, sha256)
 
 
 def _chunked_shape(chunks: list[torch.Tensor]) -> tuple[int, ...] | None:

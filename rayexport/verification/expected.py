@@ -7,6 +7,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayexport.common.digests import FAST, manifest_algorithm
 from rayexport.common.levels import FULL, Level, reads_whole_files
 from rayexport.plan.formats import ON_DISK, Format
 from rayexport.verification.serving import ServeRequest
@@ -18,8 +19,9 @@ QUICK_SAMPLE = 16
 class ExpectedExport:
     """What an export must hold: recorded by the exporter while writing (files, tensors) and
     by the workers from the source shards before the gather (`pieces`: per output tensor, the
-    sha256 of each source piece after the planned cast, at its offset; with `lora`, of the piece
-    merged with its LoRA adapter)."""
+    digest of each source piece after the planned cast, at its offset; with `lora`, of the piece
+    merged with its LoRA adapter). Every record holds its digest under the name of the hash,
+    `digest` (see `rayexport.common.digests`)."""
 
     files: dict[str, dict[str, Any]]
     tensors: dict[str, dict[str, Any]]
@@ -32,14 +34,15 @@ class ExpectedExport:
     source_finite: bool = True  # False: the checkpoint itself held NaN/Inf, exported with a warning
     # True when each file's and each of its tensors' digests were taken by the writer over the
     # same bytes in this run (never for records read back from a manifest, which may have been
-    # edited since): a file whose sha256 matches then holds every tensor's recorded bytes
+    # edited since): a file whose digest matches then holds every tensor's recorded bytes
     written_together: bool = False
     serve: ServeRequest | None = None  # the serve check the user asked for (not in the manifest)
+    digest: str = FAST
 
     def to_manifest(self) -> dict[str, Any]:
         """The parts of the manifest `from_manifest` reads back."""
         return {
-            "files": self.files, "tensors": self.tensors, "tied": [list(pair) for pair in self.tied],
+            "digest": self.digest, "files": self.files, "tensors": self.tensors, "tied": [list(pair) for pair in self.tied],
             "adapter": self.adapter, "source_pieces": self.pieces, "source_finite": self.source_finite,
         }
 
@@ -55,6 +58,7 @@ class ExpectedExport:
             trust_remote_code=options.get("trust_remote_code", False),
             format=options.get("format", ON_DISK),
             source_finite=manifest.get("source_finite", True),
+            digest=manifest_algorithm(manifest),
         )
 
     def sample(self) -> list[str]:

@@ -1,10 +1,10 @@
 """The file checks: re-reading an export's files by byte ranges, streamed, against what the
-exporter recorded (each file's size and sha256, each tensor's header entry and digest) and
-against the source (each tensor's source pieces). Each writer runs them on the files it wrote."""
+exporter recorded (each file's size and digest, each tensor's header entry and digest) and
+against the source (each tensor's source pieces), with the hash the manifest names
+(`rayexport.common.digests`). Each writer runs them on the files it wrote."""
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -12,9 +12,11 @@ from typing import Any, Callable
 
 import torch
 
+from rayexport.common.digests import LEGACY, new_digest
 from rayexport.common.dtypes import TORCH_NAME_OF_CODE, dtype_of, nbytes
 from rayexport.common.errors import one_line
 from rayexport.common.levels import reads_whole_files
+from rayexport.common.passes import Count, ignore
 from rayexport.storage.store import Store
 from rayexport.transport.writer import tensor_bytes
 from rayexport.verification import VerificationError
@@ -39,18 +41,36 @@ class FileCheck:
 
 
 def check_files(
-    store: Store, names: list[str], expected: ExpectedExport, progress: Callable[[int], Any] = lambda count: None
+    store: Store, names: list[str], expected: ExpectedExport, progress: Callable[[int], Any] = lambda count: None,
+    count: Count = ignore,
 ) -> list[FileCheck]:
     """Re-read the export's files `names` at `store`, by byte ranges, streamed: each file's size
-    and sha256 (with `quick`, the small files' only), each weight file's header against the
+    and digest (with `quick`, the small files' only), each weight file's header against the
     recorded tensors, and each checked tensor's digest and source pieces (every tensor, or with
     `quick` the sampled ones, of which only their bytes are read). `progress` gets each count
-    of bytes read."""
+    of bytes read, `count` the bytes of each pass."""
     sample = set(expected.sample())
-    return [_check_file(store, name, expected, sample, progress) for name in names]
+    hashed = "hashed_sha256" if expected.digest == LEGACY else "hashed"
+    counted = _Counted(count, hashed)
+    return [_check_file(store, name, expected, sample, progress, counted) for name in names]
 
 
-def _check_file(store: Store, name: str, expected: ExpectedExport, sample: set[str], progress) -> FileCheck:
+class _Counted:
+    """The passes of the file checks: `read`, and each digest's bytes as `kind`."""
+
+    def __init__(self, count: Count, kind: str) -> None:
+        self.count, self.kind = count, kind
+
+    def read(self, nbytes: int) -> None:
+        self.count("read", nbytes)
+
+    def hashed(self, nbytes: int) -> None:
+        self.count(self.kind, nbytes)
+
+
+def _check_file(
+    store: Store, name: str, expected: ExpectedExport, sample: set[str], progress, counted: _Counted,
+) -> FileCheck:
     check = FileCheck(name)
     if not store.exists(name):
         check.missing = True
@@ -58,9 +78,10 @@ def _check_file(store: Store, name: str, expected: ExpectedExport, sample: set[s
         return check
     size = store.size(name)
     record = expected.files.get(name, {})
+    algorithm = expected.digest
     if not is_weights_file(name):
-        digest = _read_through(store, name, [(0, size, None)], check, progress, hashlib.sha256())
-        _check_digest(check, record, size, digest)
+        digest = _read_through(store, name, [(0, size, None)], check, progress, counted, new_digest(algorithm))
+        _check_digest(check, record, size, digest, algorithm)
         return check
     try:
         data_start, header = read_header(store, name)
@@ -80,18 +101,23 @@ def _check_file(store: Store, name: str, expected: ExpectedExport, sample: set[s
         (key for key in header if key in sample and key in expected.tensors), key=lambda key: header[key]["data_offsets"][0]
     )
     # The tensors' own digests are left to the file's where the writer took both over the same
-    # bytes: one sha256 pass fewer over every byte (taken after all, to name them, if the file's fails).
+    # bytes: one pass fewer over every byte (taken after all, to name them, if the file's fails).
     by_file = whole_file and expected.written_together
-    tensors = {key: _TensorCheck(key, *check.tensors[key], expected.pieces.get(key, []), not by_file) for key in checked}
+
+    def tensor_check(key: str, pieces: list[dict[str, Any]], own_digest: bool = True) -> _TensorCheck:
+        return _TensorCheck(key, *check.tensors[key], pieces, algorithm, own_digest)
+
+    tensors = {key: tensor_check(key, expected.pieces.get(key, []), not by_file) for key in checked}
     reads = _tensor_reads(header, data_start, checked, size if whole_file else None)
-    digest = _read_through(store, name, reads, check, progress, hashlib.sha256() if whole_file else None, tensors)
-    if whole_file and not _check_digest(check, record, size, digest) and by_file:
-        digests = {key: _TensorCheck(key, *check.tensors[key], []) for key in checked}
-        _read_through(store, name, _tensor_reads(header, data_start, checked, None), FileCheck(name), progress, None, digests)
+    digest = _read_through(store, name, reads, check, progress, counted, new_digest(algorithm) if whole_file else None, tensors)
+    if whole_file and not _check_digest(check, record, size, digest, algorithm) and by_file:
+        digests = {key: tensor_check(key, []) for key in checked}
+        reads = _tensor_reads(header, data_start, checked, None)
+        _read_through(store, name, reads, FileCheck(name), progress, counted, None, digests)
         for key in checked:
-            check.problems += digests[key].problems(expected.tensors[key]["sha256"])
+            check.problems += digests[key].problems(expected.tensors[key].get(algorithm))
     for key in checked:
-        check.problems += tensors[key].problems(expected.tensors[key]["sha256"])
+        check.problems += tensors[key].problems(expected.tensors[key].get(algorithm))
     check.digests_checked = len(checked)
     check.pieces_checked = sum(len(tensor.pieces) for tensor in tensors.values())
     return check
@@ -108,11 +134,11 @@ def _check_extent(header: dict[str, dict[str, Any]], data_start: int, size: int)
         raise ValueError(f"its header describes {data_start + position} bytes, the file holds {size}")
 
 
-def _check_digest(check: FileCheck, record: dict[str, Any], size: int, digest) -> bool:
-    """Whether the file's size and sha256 are the recorded ones; a problem when not."""
-    if digest.hexdigest() == record.get("sha256") and size == record.get("size"):
+def _check_digest(check: FileCheck, record: dict[str, Any], size: int, digest, algorithm: str) -> bool:
+    """Whether the file's size and digest are the recorded ones; a problem when not."""
+    if digest.hexdigest() == record.get(algorithm) and size == record.get("size"):
         return True
-    check.problems.append(f"integrity: file {check.name} does not match its recorded sha256")
+    check.problems.append(f"integrity: file {check.name} does not match its recorded {algorithm} digest")
     return False
 
 
@@ -144,7 +170,7 @@ def _tensor_reads(
 
 
 def _read_through(
-    store: Store, name: str, reads: list[Read], check: FileCheck, progress: Callable[[int], Any],
+    store: Store, name: str, reads: list[Read], check: FileCheck, progress: Callable[[int], Any], counted: _Counted,
     file_digest: Any = None, tensors: dict[str, "_TensorCheck"] | None = None,
 ) -> Any:
     """Read `reads` in order (a few ranges ahead, in threads), feeding the file's digest and
@@ -154,23 +180,25 @@ def _read_through(
         for item in reads:
             pending.append((pool.submit(store.read_range, name, item[0], item[1]), item))
             if len(pending) > READ_AHEAD:
-                _consume(*pending.popleft(), check, progress, file_digest, tensors)
+                _consume(*pending.popleft(), check, progress, counted, file_digest, tensors)
         while pending:
-            _consume(*pending.popleft(), check, progress, file_digest, tensors)
+            _consume(*pending.popleft(), check, progress, counted, file_digest, tensors)
     return file_digest
 
 
-def _consume(future, item: Read, check: FileCheck, progress, file_digest, tensors) -> None:
+def _consume(future, item: Read, check: FileCheck, progress, counted: _Counted, file_digest, tensors) -> None:
     data = future.result()
     start, end, where = item
     if len(data) != end - start:
         raise VerificationError(f"integrity: file {check.name} ended at byte {start + len(data)} while being read")
     check.bytes_read += len(data)
     progress(len(data))
+    counted.read(len(data))
     if file_digest is not None:
         file_digest.update(data)
+        counted.hashed(len(data))
     if where is not None:
-        tensors[where[0]].update(where[1], data)
+        counted.hashed(tensors[where[0]].update(where[1], data))
 
 
 class _TensorCheck:
@@ -178,22 +206,26 @@ class _TensorCheck:
     in order: a piece's bytes in C order are its rows' parts one after another."""
 
     def __init__(
-        self, key: str, dtype: str, shape: tuple[int, ...], pieces: list[dict[str, Any]], own_digest: bool = True,
+        self, key: str, dtype: str, shape: tuple[int, ...], pieces: list[dict[str, Any]], algorithm: str,
+        own_digest: bool = True,
     ) -> None:
-        self.key, self.dtype, self.shape = key, dtype, shape
-        self.digest = hashlib.sha256() if own_digest else None  # None: the file's digest covers it
-        self.pieces = [(piece, hashlib.sha256()) for piece in pieces]
+        self.key, self.dtype, self.shape, self.algorithm = key, dtype, shape, algorithm
+        self.digest = new_digest(algorithm) if own_digest else None  # None: the file's digest covers it
+        self.pieces = [(piece, new_digest(algorithm)) for piece in pieces]
 
-    def update(self, first_row: int, data: bytes) -> None:
-        """Feed the next block of the tensor's bytes, whole rows from `first_row` on."""
+    def update(self, first_row: int, data: bytes) -> int:
+        """Feed the next block of the tensor's bytes, whole rows from `first_row` on; returns
+        the bytes hashed (its own digest and its pieces')."""
+        hashed = 0
         if self.digest is not None:
             self.digest.update(data)
+            hashed += len(data)
         if not self.pieces:
-            return
+            return hashed
         if not self.shape:  # a scalar: each piece is all of it
             for _, digest in self.pieces:
                 digest.update(data)
-            return
+            return hashed + len(data) * len(self.pieces)
         row = nbytes(self.shape[1:], self.dtype)
         block_rows = len(data) // row
         values = None
@@ -204,28 +236,33 @@ class _TensorCheck:
                 low, high = max(begin, offset[0] * element), min(begin + len(data), (offset[0] + extent[0]) * element)
                 if low < high:
                     digest.update(memoryview(data)[low - begin:high - begin])
+                    hashed += high - low
                 continue
             start, stop = max(first_row, offset[0]), min(first_row + block_rows, offset[0] + extent[0])
             if start >= stop:
                 continue
             if list(offset[1:]) == [0] * (len(offset) - 1) and list(extent[1:]) == list(self.shape[1:]):
                 digest.update(memoryview(data)[(start - first_row) * row:(stop - first_row) * row])
+                hashed += (stop - start) * row
                 continue
             if values is None:
                 values = torch.frombuffer(bytearray(data), dtype=dtype_of(self.dtype)).view(block_rows, *self.shape[1:])
             region = (slice(start - first_row, stop - first_row),) + tuple(
                 slice(begin, begin + length) for begin, length in zip(offset[1:], extent[1:])
             )
-            digest.update(tensor_bytes(values[region]))
+            box = tensor_bytes(values[region])
+            digest.update(box)
+            hashed += len(box)
+        return hashed
 
-    def problems(self, recorded_sha256: str) -> list[str]:
+    def problems(self, recorded: str | None) -> list[str]:
         """Once every row is fed: the tensor's digest against the recorded one, each piece's
         against its source's."""
         found = []
-        if self.digest is not None and self.digest.hexdigest() != recorded_sha256:
+        if self.digest is not None and self.digest.hexdigest() != recorded:
             found.append(f"integrity: tensor '{self.key}' does not match its recorded digest")
         for piece, digest in self.pieces:
-            if digest.hexdigest() != piece["sha256"]:
+            if digest.hexdigest() != piece.get(self.algorithm):
                 found.append(
                     f"fidelity: tensor '{self.key}' at offset {piece['offset']} differs from "
                     f"rank {piece['rank']}'s '{piece['source_key']}'"
