@@ -80,7 +80,8 @@ def rayexport_cli(src: str, out: str, verify: str, bucket: str, report: str, env
         result = json.load(handle)
     largest = max(result["peak_rss_bytes"], key=result["peak_rss_bytes"].get)
     return {"wall_s": wall, "seconds": result["seconds"], "largest": (largest, result["peak_rss_bytes"][largest]),
-            "reload_process": result.get("reload_process", {}), "verification": result["verification"]}
+            "reload_process": result.get("reload_process", {}), "verification": result["verification"],
+            "bytes": result["bytes"], "passes": result.get("passes", {})}
 
 
 def verl_merger(src: str, out: str) -> dict:
@@ -105,7 +106,7 @@ def walls(runs: list[dict]) -> str:
 
 # The phases in the order an export runs them (a report's JSON sorts its keys).
 PHASES = ("imports", "ray_start", "plan", "start_workers", "describe_model", "load", "plan_files", "source_digests",
-          "transfer", "verify_files", "reload", "shutdown", "commit", "ray_stop")
+          "source_scan", "transfer", "verify_files", "reload", "shutdown", "commit", "ray_stop")
 
 
 def phase_table(rows: dict[str, list[dict]]) -> str:
