@@ -268,6 +268,9 @@ def saves_written_ahead(request, tmp_path_factory):
             except BaseException as error:  # noqa: BLE001 - handed to the test that needs it
                 futures[name].set_exception(error)
 
+    # pytest makes its base temporary folder on first use, without a lock: made here first, so
+    # that this thread and the tests' own tmp_path calls cannot each make one.
+    tmp_path_factory.getbasetemp()
     writer = threading.Thread(target=write_all, name="saves-written-ahead", daemon=True)
     writer.start()
     yield futures
