@@ -198,7 +198,8 @@ def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> 
     `torch.distributed.checkpoint.load` runs without a process group and reads only the chunks
     of these tensors, from local files or, for a remote store, with one ranged request each.
     Each chunk is copied straight into its place in the mapped spool file and its pages given
-    back, so this process holds about one chunk at a time, not its share of the model; the spool is also a snapshot, which later passes read rather than the source.
+    back, so this process holds about one chunk at a time, not its share of the model; the
+    spool is also a snapshot, which later passes read rather than the source.
     Whole rank files are never spooled: every FSDP rank file holds a slice of every tensor, so
     that would copy the whole checkpoint to each worker.
     Tensor data is loaded with torch's weights-only unpickler; `.metadata` as

@@ -165,7 +165,6 @@ class _ChunkPlanner(_WatchingPlanner):
         return self.state_dict[index.fqn]
 
 
-
 def page_span(tensor: torch.Tensor) -> tuple[int, int]:
     """The addresses of a contiguous tensor's bytes, widened to whole pages."""
     start = tensor.data_ptr()

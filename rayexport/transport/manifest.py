@@ -22,8 +22,9 @@ def build_manifest(
     verification: dict[str, Any],
 ) -> dict[str, Any]:
     """The manifest's content: what was exported and how; the hash its digests use, every
-    file's size and digest (and SHA-256 with `--sha256`), every tensor's dtype, shape and digest, the tied pairs and the source pieces' digests (what
-    `rayexport.verify` checks again); and the verification result."""
+    file's size and digest (and SHA-256 with `--sha256`), every tensor's dtype, shape and
+    digest, the tied pairs and the source pieces' digests (what `rayexport.verify` checks
+    again); and the verification result."""
     return {
         "format": MANIFEST_FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

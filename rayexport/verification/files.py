@@ -50,26 +50,18 @@ def check_files(
     `quick` the sampled ones, of which only their bytes are read). `progress` gets each count
     of bytes read, `count` the bytes of each pass."""
     sample = set(expected.sample())
-    hashed = "hashed_sha256" if expected.digest == LEGACY else "hashed"
-    counted = _Counted(count, hashed)
-    return [_check_file(store, name, expected, sample, progress, counted) for name in names]
+    if expected.digest == LEGACY:  # an old manifest's digests are SHA-256: counted as such
+        count = _renamed(count, "hashed", "hashed_sha256")
+    return [_check_file(store, name, expected, sample, progress, count) for name in names]
 
 
-class _Counted:
-    """The passes of the file checks: `read`, and each digest's bytes as `kind`."""
-
-    def __init__(self, count: Count, kind: str) -> None:
-        self.count, self.kind = count, kind
-
-    def read(self, nbytes: int) -> None:
-        self.count("read", nbytes)
-
-    def hashed(self, nbytes: int) -> None:
-        self.count(self.kind, nbytes)
+def _renamed(count: Count, kind: str, as_kind: str) -> Count:
+    """`count`, with the bytes of `kind` counted as `as_kind`."""
+    return lambda counted, nbytes: count(as_kind if counted == kind else counted, nbytes)
 
 
 def _check_file(
-    store: Store, name: str, expected: ExpectedExport, sample: set[str], progress, counted: _Counted,
+    store: Store, name: str, expected: ExpectedExport, sample: set[str], progress, count: Count,
 ) -> FileCheck:
     check = FileCheck(name)
     if not store.exists(name):
@@ -80,7 +72,7 @@ def _check_file(
     record = expected.files.get(name, {})
     algorithm = expected.digest
     if not is_weights_file(name):
-        digest = _read_through(store, name, [(0, size, None)], check, progress, counted, new_digest(algorithm))
+        digest = _read_through(store, name, [(0, size, None)], check, progress, count, new_digest(algorithm))
         _check_digest(check, record, size, digest, algorithm)
         return check
     try:
@@ -109,11 +101,11 @@ def _check_file(
 
     tensors = {key: tensor_check(key, expected.pieces.get(key, []), not by_file) for key in checked}
     reads = _tensor_reads(header, data_start, checked, size if whole_file else None)
-    digest = _read_through(store, name, reads, check, progress, counted, new_digest(algorithm) if whole_file else None, tensors)
+    digest = _read_through(store, name, reads, check, progress, count, new_digest(algorithm) if whole_file else None, tensors)
     if whole_file and not _check_digest(check, record, size, digest, algorithm) and by_file:
         digests = {key: tensor_check(key, []) for key in checked}
         reads = _tensor_reads(header, data_start, checked, None)
-        _read_through(store, name, reads, FileCheck(name), progress, counted, None, digests)
+        _read_through(store, name, reads, FileCheck(name), progress, count, None, digests)
         for key in checked:
             check.problems += digests[key].problems(expected.tensors[key].get(algorithm))
     for key in checked:
@@ -170,7 +162,7 @@ def _tensor_reads(
 
 
 def _read_through(
-    store: Store, name: str, reads: list[Read], check: FileCheck, progress: Callable[[int], Any], counted: _Counted,
+    store: Store, name: str, reads: list[Read], check: FileCheck, progress: Callable[[int], Any], count: Count,
     file_digest: Any = None, tensors: dict[str, "_TensorCheck"] | None = None,
 ) -> Any:
     """Read `reads` in order (a few ranges ahead, in threads), feeding the file's digest and
@@ -180,25 +172,25 @@ def _read_through(
         for item in reads:
             pending.append((pool.submit(store.read_range, name, item[0], item[1]), item))
             if len(pending) > READ_AHEAD:
-                _consume(*pending.popleft(), check, progress, counted, file_digest, tensors)
+                _consume(*pending.popleft(), check, progress, count, file_digest, tensors)
         while pending:
-            _consume(*pending.popleft(), check, progress, counted, file_digest, tensors)
+            _consume(*pending.popleft(), check, progress, count, file_digest, tensors)
     return file_digest
 
 
-def _consume(future, item: Read, check: FileCheck, progress, counted: _Counted, file_digest, tensors) -> None:
+def _consume(future, item: Read, check: FileCheck, progress, count: Count, file_digest, tensors) -> None:
     data = future.result()
     start, end, where = item
     if len(data) != end - start:
         raise VerificationError(f"integrity: file {check.name} ended at byte {start + len(data)} while being read")
     check.bytes_read += len(data)
     progress(len(data))
-    counted.read(len(data))
+    count("read", len(data))
     if file_digest is not None:
         file_digest.update(data)
-        counted.hashed(len(data))
+        count("hashed", len(data))
     if where is not None:
-        counted.hashed(tensors[where[0]].update(where[1], data))
+        count("hashed", tensors[where[0]].update(where[1], data))
 
 
 class _TensorCheck:
