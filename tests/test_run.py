@@ -164,6 +164,7 @@ def test_nan_weights_warn_or_fail_under_strict(broken_copy, tmp_path, caplog):
         torch.save(state, path)
     assert_fails(run_main("--src", str(broken_copy), "--dst", str(tmp_path / "strict"), "--strict"),
                  "model.norm.weight", "NaN or Inf")
+    assert not list((tmp_path / "strict").glob("*.safetensors"))  # --strict refuses before writing
     with caplog.at_level("WARNING", logger="rayexport"):
         warned = run_main("--src", str(broken_copy), "--dst", str(tmp_path / "warned"), "--verify", "quick")
     assert warned.returncode == 0, warned.stderr[-2000:]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from huggingface_hub import StateDictSplit
@@ -28,6 +28,7 @@ from rayexport.orchestration.progress import WorkerProgress
 from rayexport.orchestration.session import ensure_ray
 from rayexport.orchestration.waits import all_succeed, get_all, step_limit
 from rayexport.orchestration.workers import ExportWorker, WorkerStats
+from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import TransferPlan
 from rayexport.storage.store import Store
 from rayexport.verification.expected import ExpectedExport
@@ -43,12 +44,14 @@ PROGRESS_GROUP = "progress"
 PROGRESS_ASK_S = 2.0
 @dataclass
 class Transferred:
-    """What the gather wrote: every file (size, sha256), each tensor's digest, and each
-    worker's stats (bytes, memory, where it ran, the files it wrote)."""
+    """What the gather wrote: every file (size, digests), each tensor's digest, each worker's
+    stats (bytes, memory, where it ran, the files it wrote), and what the workers scanned of the
+    pieces as they read them (each piece's finiteness and digest)."""
 
     files: dict[str, dict[str, Any]]
     tensor_digests: dict[str, str]
     worker_stats: list[WorkerStats]
+    scanned: dict[Piece, tuple[bool, str | None]] = field(default_factory=dict)
 
     @property
     def bytes_written(self) -> int:
@@ -262,14 +265,15 @@ class WorkerGroup:
         return dict(zip(workers, answers))
 
     def transfer(
-        self, transfer: TransferPlan, plans: dict, split: StateDictSplit, destination: Store, carried: dict[str, bytes]
+        self, transfer: TransferPlan, plans: dict, split: StateDictSplit, destination: Store, carried: dict[str, bytes],
+        scan: dict[Piece, str | None],
     ) -> Transferred:
-        """Run the gather: every worker sends its pieces and writes its files; worker 0 also
-        writes the index and the carried files."""
+        """Run the gather: every worker sends its pieces and writes its files, scanning those of
+        `scan` as it reads them; worker 0 also writes the index and the carried files."""
         results = self._get([
             actor.transfer.remote(
                 transfer, plans, destination, split if index == 0 else None, carried if index == 0 else {},
-                self.options.sha256,
+                self.options.sha256, scan,
             )
             for index, actor in enumerate(self.actors)
         ])
@@ -277,6 +281,7 @@ class WorkerGroup:
         for result in results:
             merged.files.update(result.files)
             merged.tensor_digests.update(result.tensor_digests)
+            merged.scanned.update(result.scanned)
         return merged
 
     def check_files(self, destination: Store, expected: ExpectedExport, files_by_worker: dict[int, list[str]]) -> list[FileCheck]:

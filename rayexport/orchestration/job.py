@@ -1,6 +1,7 @@
 """Orchestration: the export as its steps, around an `ExportPlan`: plan on the driver (while the
-workers start), load, plan the output, scan the source, transfer, verify the files, run the consumer checks (on
-worker 0, each in a process it started with the group), commit, report; each phase timed.
+workers start), load, plan the output, transfer (scanning the source as it reads it), verify
+the files, run the consumer checks (on worker 0, each in a process it started with the group),
+commit, report; each phase timed.
 
 Any failure kills every actor, removes the placement group, and leaves DST without a manifest.
 """
@@ -26,7 +27,9 @@ from rayexport.orchestration.export_plan import ExportPlan, plan_export
 from rayexport.orchestration.group import Transferred, WorkerGroup
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.progress import shown_progress
-from rayexport.orchestration.references import scan_source
+from rayexport.orchestration.references import (
+    SourceScan, check_finite, scan_ahead, scanned_ahead, scanned_in_transfer, transfer_scan,
+)
 from rayexport.orchestration.report import ExportReport
 from rayexport.orchestration.workers import WorkerStats
 from rayexport.plan.formats import ModelFormats
@@ -179,20 +182,30 @@ def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, 
 def _write_and_check(
     plan: ExportPlan, group: WorkerGroup, model: ModelDescription, source: Source, output: OutputPlan
 ) -> tuple[ExpectedExport, Transferred, dict[str, Any] | None, Any]:
-    """Scan the source pieces (NaN/Inf, and their digests unless --verify none), run the gather
-    that writes every file, and have each writer re-read what it wrote while worker 0 starts
-    the consumer checks. Returns what the export must hold, what was written, the file checks'
+    """Run the gather that writes every file, scanning the source pieces as it reads them
+    (NaN/Inf, and their digests unless --verify none; with --strict, or for LoRA merges, in a
+    pass ahead of it), and have each writer re-read what it wrote while worker 0 starts the
+    consumer checks. Returns what the export must hold, what was written, the file checks'
     numbers and the consumer checks' call (both None with --verify none)."""
     options, planning = plan.options, output.planning
     level = resolved(options.verify)
-    with plan.stage("source_scan") as moved:
-        scanned = scan_source(group, planning, source.loaded.worker_of_rank, digests=runs_checks(level))
-        moved["bytes"] = sum(piece.nbytes for tensor in planning.tensors + planning.adapters for piece in tensor.pieces)
-    finite = _check_finite(scanned.non_finite, options.strict)
+    plans, digests = planning.tensors + planning.adapters, runs_checks(level)
+    scanned = SourceScan()
+    if ahead := scanned_ahead(plans, options.strict):
+        with plan.stage("source_scan") as moved:
+            scanned = scan_ahead(group, ahead, source.loaded.worker_of_rank, digests)
+            moved["bytes"] = sum(piece.nbytes for tensor in ahead for piece in tensor.pieces)
+        if options.strict:
+            check_finite(scanned.non_finite, strict=True)  # before a byte is written
     carried = {**model.carried, **generated_files(model.config, planning, bool(output.untied), options.base_model)}
     with plan.stage("transfer") as moved:
-        written = group.transfer(output.transfer, output.by_name, output.split, plan.destination, carried)
+        written = group.transfer(
+            output.transfer, output.by_name, output.split, plan.destination, carried,
+            scanned_in_transfer(plans, options.strict, digests),
+        )
         moved["bytes"] = written.bytes_written
+    scanned = scanned.joined(transfer_scan(plans, written.scanned, digests))
+    finite = check_finite(scanned.non_finite, options.strict)
     tensors = {
         tensor.name: {"dtype": tensor.dtype, "shape": list(tensor.shape), FAST: written.tensor_digests[tensor.name]}
         for tensor in output.by_name.values()
@@ -326,18 +339,6 @@ def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, f
         return planning, frozenset()
     log.warning("untying %s: their saved values differ from the tensors they were tied to", sorted(untied))
     return plan(untied), untied
-
-
-def _check_finite(bad: list[str], strict: bool) -> bool:
-    """NaN or Inf in the weights (`bad`: their source keys): a warning naming them, or with
-    --strict the end, before anything is written. Returns whether every weight is finite."""
-    if not bad:
-        return True
-    message = f"tensor '{bad[0]}' holds NaN or Inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
-    if strict:
-        raise ExportError(message + " (--strict)")
-    log.warning("%s; exporting anyway (--strict refuses)", message)
-    return False
 
 
 def verify_files(

@@ -87,7 +87,7 @@ class ExportReport:
 
 
 def passes_lines(passes: dict[str, dict[str, int]], model_bytes: int) -> list[str]:
-    """`passes per byte: source_scan read 1.0, scanned 1.0, hashed 1.0; ...`, the passes over
+    """`passes per byte: transfer read 1.0, scanned 1.0, hashed 3.0, ...; ...`, the passes over
     the model's bytes, when they were counted."""
     if not passes or not model_bytes:
         return []

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from huggingface_hub import StateDictSplit
@@ -23,7 +23,7 @@ from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
 from rayexport.common.levels import reads_whole_files
 from rayexport.common.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from rayexport.common.passes import Passes
+from rayexport.common.passes import Count, Passes
 from rayexport.common.scan import max_abs_difference, scan_and_digest
 from rayexport.layouts import registry  # noqa: F401 - each layout's Checkpoint arrives pickled: imported at start, not in a load
 from rayexport.layouts.base import Checkpoint, Part
@@ -116,11 +116,13 @@ class WorkerStats:
 @dataclass
 class WorkerTransfer:
     """What one worker's part of the gather wrote: its files' records (size, digests), the
-    digests of the tensors it wrote, and its stats."""
+    digests of the tensors it wrote, its stats, and what it scanned of its pieces as it read
+    them (each piece's finiteness and digest)."""
 
     files: dict[str, dict[str, Any]]
     tensor_digests: dict[str, str]
     stats: WorkerStats
+    scanned: dict[Piece, tuple[bool, str | None]] = field(default_factory=dict)
 
 
 class ExportWorker:
@@ -190,7 +192,7 @@ class ExportWorker:
     def load(self, checkpoint: Checkpoint, part: Part) -> dict[int, dict[str, ShardInfo]]:
         """Read this worker's `part` of the checkpoint, as its layout reads it (see
         `Checkpoint.read`), memory-mapped; describe what each (pseudo-)rank holds. Mapped files'
-        values are first read by the source scan (`scan_source`)."""
+        values are first read by the source scan, in the transfer or ahead of it."""
         self._start_measuring()
         total = checkpoint.part_bytes(part)
         infos = {}
@@ -222,8 +224,9 @@ class ExportWorker:
                 self.release_pages()
         return differences
 
-    def scan_source(self, requests: list[tuple[Piece, str | None, tuple | None]]) -> list[tuple[bool, str | None]]:
-        """One pass over each requested piece as this worker read it, a chunk at a time: whether
+    def scan_ahead(self, requests: list[tuple[Piece, str | None, tuple | None]]) -> list[tuple[bool, str | None]]:
+        """The scan ahead of the transfer (`rayexport.orchestration.references.scan_ahead`): one
+        pass over each requested piece as this worker read it, a chunk at a time, giving whether
         its values are finite and, given its output dtype, the digest of its bytes cast to it
         (the verification's reference, taken before the data goes near the gather). A piece of a
         LoRA-merged weight comes with its adapter, the arguments of `merge_lora` after W (A, B,
@@ -240,6 +243,24 @@ class ExportWorker:
             self.release_pages()
         return results
 
+    def _scanning_reader(
+        self, wanted: dict[Piece, str | None], found: dict[Piece, tuple[bool, str | None]], count: Count
+    ) -> Callable[[Piece], torch.Tensor]:
+        """The transfer's reader of this worker's pieces: each piece in `wanted` is scanned (and
+        digested in the dtype given) as it is first read, its result put in `found`, so the
+        bytes it pulls from storage are the ones then packed or written, from the page cache."""
+        scanned = self.progress_counts.counter("scanned")
+
+        def read(piece: Piece) -> torch.Tensor:
+            values = self._local(piece)
+            if piece in wanted and piece not in found:
+                dtype = wanted[piece]
+                found[piece] = scan_and_digest([values], dtype_of(dtype) if dtype is not None else None, count)
+                scanned(piece.nbytes)
+            return values
+
+        return read
+
     def read_pieces(self, pieces: list[Piece]) -> list[torch.Tensor]:
         """Copies of pieces this worker holds (LoRA halves, for the verification's reference)."""
         copies = [self._local(piece).clone() for piece in pieces]
@@ -254,11 +275,13 @@ class ExportWorker:
         index: StateDictSplit | None,
         carried: dict[str, bytes],
         sha256: bool = False,
+        scan: dict[Piece, str | None] | None = None,
     ) -> WorkerTransfer:
         """This worker's part of the gather: send its pieces, and write the output files
         `transfer` gives it; worker 0 then writes the index of the model's files (`index`, the
         shard split) and the small files the export carries (config, tokenizer, code). With
-        `sha256`, each file's SHA-256 is recorded beside its digest."""
+        `sha256`, each file's SHA-256 is recorded beside its digest. The pieces in `scan` that
+        this worker sends or writes are scanned as they are read (see `_scanning_reader`)."""
         started = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -266,17 +289,24 @@ class ExportWorker:
         total = sum(plans[name].nbytes for shard in my_files for name in shard.tensors)
         self.progress_counts.expect("written", total)
         self.progress_counts.expect("sent", gather.sent_bytes(transfer.buckets, self.index))
+        mine = {piece for bucket in transfer.buckets for piece in bucket.sends[self.index]}
+        wanted = {piece: dtype for piece, dtype in (scan or {}).items() if piece in mine}
+        self.progress_counts.expect("scanned", sum(piece.nbytes for piece in wanted))
 
         count = self.passes.counter("transfer")
+        scanned: dict[Piece, tuple[bool, str | None]] = {}
+        read = self._scanning_reader(wanted, scanned, count)
 
         def write(tensors) -> tuple[list[WrittenFile], dict[str, str]]:
             return write_shards(destination, my_files, plans, tensors, self.progress_counts.counter("written"), sha256, count)
 
         written, digests = gather.run_transfer(
-            self.index, transfer.buckets, plans, self._local, self.device,
+            self.index, transfer.buckets, plans, read, self.device,
             write if my_files else None, after_read=self.release_pages, sent=self.progress_counts.counter("sent"),
             count=count,
         ) or ([], {})
+        for piece in wanted.keys() - scanned.keys():  # pieces the gather never reads: the empty ones
+            read(piece)
         index_file = write_index(destination, index, sha256) if index is not None else None
         files = {item.name: item.record() for item in written + ([index_file] if index_file else [])}
         for name, data in sorted(carried.items()):
@@ -288,7 +318,7 @@ class ExportWorker:
         stats = self.stats()
         stats.bytes_received = gather.received_bytes(transfer.buckets, self.index)
         stats.files_written = sorted(files)
-        return WorkerTransfer(files, digests, stats)
+        return WorkerTransfer(files, digests, stats, scanned)
 
     def check_files(self, destination: Store, names: list[str], expected: ExpectedExport) -> list[FileCheck]:
         """Re-read files this worker wrote from the destination and check them (see

@@ -144,7 +144,8 @@ class Staging:
         """Pack `tensors` into the slot and start sending them to `writer`; the slot comes back
         once the send has left it (`finish_send`)."""
         size = pack(pieces, tensors, into=slot.host).numel()
-        for kind in ("read", "copied", "sent"):  # the source's bytes, packed, then sent
+        self.count("read", sum(piece.nbytes for piece in pieces))
+        for kind in ("copied", "sent"):  # packed, then sent, with the alignment's padding
             self.count(kind, size)
         self.to_wire(slot, size)
         self.sends.append((dist.isend(slot.wire[:size], dst=writer), slot))
