@@ -153,7 +153,8 @@ class ExportOptions:
     )
     serve_check_gpus: float = option(1.0, "GPUs the serve check asks Ray for where the cluster has GPUs",
                                      group=VERIFICATION, metavar="N")
-    strict: bool = option(False, "fail on NaN/Inf weights instead of warning (they are then scanned before anything is written)", group=SAFETY, recorded=True)
+    strict: bool = option(False, "fail on NaN/Inf weights instead of warning (they are then scanned before "
+                          "anything is written)", group=SAFETY, recorded=True)
     trust_remote_code: bool = option(False, "allow the model's own code to run (plan and reload)",
                                      group=SAFETY, recorded=True)
     unsafe_pickle: bool = option(False, "load rank files with the full unpickler (runs code in them; trusted "
