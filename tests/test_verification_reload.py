@@ -261,3 +261,27 @@ def test_the_reload_names_the_dtype_argument_the_installed_transformers_reads(mo
 
     monkeypatch.setattr(transformers, "__version__", version)
     assert auto_dtype() == {argument: "auto"}
+
+
+def test_mapped_files_read_without_a_copy_and_give_the_pages_back(tmp_path):
+    """The streamed reload's reader maps the export's files: a tensor is a view of the file's
+    pages, which count in the child's memory until released, and a cut file names the tensor."""
+    import torch
+
+    from rayexport.common.memory import rss_bytes
+    from rayexport.verification.reload.streamed import MappedFiles
+
+    values = torch.arange(32 * 2**20, dtype=torch.int32)  # 128 MiB
+    (tmp_path / "model.safetensors").write_bytes(values.numpy().tobytes())
+    table = {"w": {"file": "model.safetensors", "dtype": "int32", "shape": [values.numel()], "start": 0, "end": values.nbytes},
+             "cut": {"file": "model.safetensors", "dtype": "int32", "shape": [4], "start": values.nbytes - 8, "end": values.nbytes + 8}}
+    read = MappedFiles(str(tmp_path), table)
+    before = rss_bytes()
+    mapped = torch.frombuffer(read("w"), dtype=torch.int32)
+    assert torch.equal(mapped, values)
+    assert rss_bytes() - before > 100 * 2**20  # the pages read are this process's until released
+    read.release()
+    assert rss_bytes() - before < 16 * 2**20
+    assert torch.equal(mapped, values)  # mapped in again from the page cache when read
+    with pytest.raises(EOFError, match="tensor 'cut' in model.safetensors ends after 8 of its 16 bytes"):
+        read("cut")

@@ -24,7 +24,7 @@ from rayexport.verification.reload.probes import (
 from rayexport.verification.reload.protocol import (
     KEYS_ONLY, LOADED_IN_MEMORY, MODES, WAIT_FOR_ARGUMENTS, parent_reader, private_channel, read_arguments, send_result,
 )
-from rayexport.verification.reload.streamed import file_reader, stream_and_probe
+from rayexport.verification.reload.streamed import MappedFiles, stream_and_probe
 
 # Files whose presence means the export carries a tokenizer for AutoTokenizer to load.
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == LOADED_IN_MEMORY:
         result = reload_and_probe(args.path, args.trust_remote_code, tied, args.adapter)
     else:
-        read = parent_reader(requests, answers) if args.from_parent else file_reader(args.path, table)
+        read = parent_reader(requests, answers) if args.from_parent else MappedFiles(args.path, table)
         result = stream_and_probe(
             args.path, args.trust_remote_code, tied, args.format, table, read, startup + args.memory_bound, args.adapter
         )

@@ -16,12 +16,12 @@ from rayexport.plan.formats import IN_MEMORY, Format
 from rayexport.verification.reload.probes import (
     build_skeleton, key_differences, model_formats_of, probe, table_shapes, untied_pairs,
 )
-from rayexport.verification.reload.protocol import KEY_FIELDS, KEYS_ONLY, read_exactly
+from rayexport.verification.reload.protocol import KEY_FIELDS, KEYS_ONLY
 
 
 def stream_and_probe(
     path: str, trust_remote_code: bool, tied: list[tuple[str, str]], export_format: Format,
-    table: dict[str, dict[str, Any]], read: Callable[[str], mmap.mmap], rss_limit: int, adapter: str | None,
+    table: dict[str, dict[str, Any]], read: Callable[[str], Any], rss_limit: int, adapter: str | None,
 ) -> dict:
     """The streamed reload: the model built on the meta device, its keys checked against the
     export's, then a forward pass during which each module's tensors are read (by `read`, from
@@ -87,13 +87,19 @@ def largest_module(model: torch.nn.Module) -> tuple[str, int]:
 class StreamedWeights(Mapping):
     """In-memory state-dict names to their values, each read from the export when asked for;
     nothing is kept (accelerate's offload hooks ask for a module's tensors before its forward
-    and drop them after it)."""
+    and drop them after it). A request for the next module's tensor first gives back the pages
+    of the tensors handed out before it (`read.release`, where the reader maps files)."""
 
-    def __init__(self, sources: dict[str, str], table: dict[str, dict[str, Any]], read: Callable[[str], mmap.mmap]) -> None:
+    def __init__(self, sources: dict[str, str], table: dict[str, dict[str, Any]], read: Callable[[str], Any]) -> None:
         self.sources, self.table, self.read = sources, table, read
+        self.module: str | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         source = self.sources[name]  # KeyError for what the model does not hold, as accelerate expects
+        module = name.rpartition(".")[0]
+        if module != self.module:
+            getattr(self.read, "release", lambda: None)()
+            self.module = module
         entry = self.table[source]
         dtype = dtype_of(entry["dtype"])
         if entry["end"] == entry["start"]:
@@ -107,16 +113,36 @@ class StreamedWeights(Mapping):
         return len(self.sources)
 
 
-def file_reader(folder: str, table: dict[str, dict[str, Any]]) -> Callable[[str], mmap.mmap]:
-    """Reads a tensor's bytes from the export's files in `folder`, by plain reads at its
-    offsets (a memory map would keep every page it touched resident)."""
-    def read(name: str) -> mmap.mmap:
-        entry = table[name]
-        with open(os.path.join(folder, entry["file"]), "rb", buffering=0) as handle:
-            handle.seek(entry["start"])
-            return read_exactly(handle, entry["end"] - entry["start"], f"tensor '{name}' in {entry['file']}")
+class MappedFiles:
+    """Reads a tensor's bytes from the export's files in `folder` as a view of the file memory-
+    mapped, without a copy. Pages a process has touched in a map count in its resident memory
+    until it gives them back: `release` does so for every page read so far (they stay in the
+    page cache, and a later read maps them in again), as the workers do with their rank files."""
 
-    return read
+    def __init__(self, folder: str, table: dict[str, dict[str, Any]]) -> None:
+        self.folder, self.table = folder, table
+        self.maps: dict[str, mmap.mmap] = {}
+
+    def __call__(self, name: str) -> memoryview:
+        entry = self.table[name]
+        mapped = self._map(entry["file"])
+        if entry["end"] > len(mapped):
+            raise EOFError(
+                f"tensor '{name}' in {entry['file']} ends after {max(0, len(mapped) - entry['start'])} "
+                f"of its {entry['end'] - entry['start']} bytes"
+            )
+        return memoryview(mapped)[entry["start"]:entry["end"]]
+
+    def release(self) -> None:
+        for mapped in self.maps.values():
+            mapped.madvise(mmap.MADV_DONTNEED)
+
+    def _map(self, file: str) -> mmap.mmap:
+        if file not in self.maps:
+            with open(os.path.join(self.folder, file), "rb") as handle:
+                # a private map is writable, as torch.frombuffer wants, and nothing writes to it
+                self.maps[file] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self.maps[file]
 
 
 def _adapter_unloaded(model: torch.nn.Module, adapter: str) -> list[str]:
