@@ -89,9 +89,9 @@ class RankTensors(MappedTensors):
         """Each tensor's placement; `advance` gets each tensor's share of the file's bytes, so a
         bar of the files' bytes ends at their size."""
         scale = self.file_size / max(1, sum(local_tensor(value).nbytes for value in self.tensors.values()))
-        infos = {}
+        infos, meshes = {}, {}
         for key, value in self.tensors.items():
-            infos[key] = describe_tensor(value, self.rank)
+            infos[key] = describe_tensor(value, self.rank, meshes)
             advance(round(local_tensor(value).nbytes * scale))
         return infos
 

@@ -35,25 +35,36 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else value
 
 
-def describe_tensor(value: torch.Tensor, rank: int) -> ShardInfo:
-    """The placement of one rank's (D)Tensor, without needing a process group."""
+def describe_tensor(value: torch.Tensor, rank: int, meshes: dict[int, tuple] | None = None) -> ShardInfo:
+    """The placement of one rank's (D)Tensor, without needing a process group. `meshes` keeps
+    each device mesh's description by the mesh object, for the tensors of one file that share
+    it (torch rebuilds a mesh's rank tensor each time it is asked for)."""
     local = local_tensor(value)
     dtype = dtype_name(local.dtype)
     mesh = getattr(value, "device_mesh", None)
     if mesh is None:
         return ShardInfo(local_shape=tuple(local.shape), dtype=dtype)
-    positions = (mesh.mesh == rank).nonzero()
-    if len(positions) != 1:
-        raise ExportError(f"rank {rank} is not in the device mesh its own file records")
+    meshes = {} if meshes is None else meshes
+    if id(mesh) not in meshes:
+        meshes[id(mesh)] = (mesh, _describe_mesh(mesh.mesh, rank))  # the mesh itself: its id stays its own
+    mesh_shape, mesh_ranks, coordinate = meshes[id(mesh)][1]
     return ShardInfo(
         local_shape=tuple(local.shape),
         dtype=dtype,
         global_shape=tuple(value.shape),
         placements=tuple(_placement_code(placement) for placement in value.placements),
-        mesh_shape=tuple(mesh.mesh.shape),
-        mesh_ranks=tuple(int(member) for member in mesh.mesh.flatten()),
-        coordinate=tuple(int(index) for index in positions[0]),
+        mesh_shape=mesh_shape,
+        mesh_ranks=mesh_ranks,
+        coordinate=coordinate,
     )
+
+
+def _describe_mesh(ranks: torch.Tensor, rank: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """A device mesh's shape, its ranks flattened row-major, and `rank`'s coordinate in it."""
+    positions = (ranks == rank).nonzero()
+    if len(positions) != 1:
+        raise ExportError(f"rank {rank} is not in the device mesh its own file records")
+    return tuple(ranks.shape), tuple(int(member) for member in ranks.flatten()), tuple(int(index) for index in positions[0])
 
 
 def _placement_code(placement) -> str:
