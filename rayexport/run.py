@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import os
 import sys
 
 from rayexport.common.errors import ExportError, print_error
+from rayexport.common.process import exit_without_teardown
 from rayexport.orchestration.options import ExportOptions, add_option_arguments, options_from_arguments
 from rayexport.orchestration.session import command_line_session, starts_own_ray
 
@@ -121,16 +121,6 @@ def cleanup(uri: str, storage_options: dict) -> int:
         return print_error(error)
     print(f"aborted {len(aborted)} unfinished upload(s) under {uri}" + "".join(f"\n  {key}" for key in aborted))
     return 0
-
-
-def exit_without_teardown(code: int) -> None:
-    """Exit with `code` once every exit handler has run and the output is flushed, skipping
-    only the interpreter's teardown of its modules (torch and transformers' take 1-2 s)."""
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def cli() -> None:

@@ -15,6 +15,7 @@ import torch
 
 from rayexport.common.dtypes import dtype_name
 from rayexport.common.errors import one_line
+from rayexport.common.process import exit_without_teardown
 from rayexport.common.memory import peak_rss_bytes, rss_bytes
 from rayexport.plan.formats import FORMATS, ON_DISK, Format
 from rayexport.plan.lora import ADAPTER_WEIGHTS
@@ -168,4 +169,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # the parent has the result: the modules' teardown would only delay it
