@@ -44,6 +44,36 @@ def test_plan_shard_files_split_names_and_coverage():
     assert sorted(name for shard in files for name in shard.tensors) == sorted(plan.name for plan in plans)
 
 
+def file_sizes(files, plans):
+    size = {plan.name: plan.nbytes for plan in plans}
+    return [sum(size[name] for name in shard.tensors) for shard in files]
+
+
+def test_several_writers_get_files_of_about_equal_size(monkeypatch):
+    """An export of at least a share per writer is written as one file per writer, their sizes
+    within one tensor of each other, where huggingface_hub's rule alone makes a full file and a
+    remainder (or one file)."""
+    import rayexport.plan.schedule as schedule
+
+    monkeypatch.setattr(schedule, "WRITER_SHARE", 1000)
+    plans = [whole(f"layer{i}.weight", (10, 10 + i)) for i in range(12)]  # 400-840 bytes, 7440 in all
+    assert file_sizes(plan_shard_files(plans, 5000)[0], plans) == [4320, 3120]  # huggingface_hub's rule
+    files, split = plan_shard_files(plans, 5000, writers=2)
+    assert file_sizes(files, plans) == [3640, 3800]
+    assert [shard.filename for shard in files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert split.metadata == {"total_size": 7440}
+    assert split.tensor_to_filename == {name: shard.filename for shard in files for name in shard.tensors}
+    assert [name for shard in files for name in sorted(shard.tensors, key=lambda name: int(name[5:-7]))] == [plan.name for plan in plans]
+    assert file_sizes(plan_shard_files(plans, 10_000, writers=3)[0], plans) == [2400, 2640, 2400]
+    # more files than writers where --max-shard-size needs them: a multiple of the writers, each within it
+    sizes = file_sizes(plan_shard_files(plans, 2000, writers=2)[0], plans)
+    assert len(sizes) % 2 == 0 and max(sizes) <= 2000
+    # below a share per writer: as many writers as shares, or the plain rule's one file
+    assert len(plan_shard_files(plans, 10_000, writers=8)[0]) == 7
+    monkeypatch.setattr(schedule, "WRITER_SHARE", 4000)
+    assert len(plan_shard_files(plans, 10_000, writers=2)[0]) == 1
+
+
 def test_plan_shard_files_uses_output_dtype_size():
     plans = [whole(f"w{i}", (10, 10), dtype="bfloat16", source_dtype="float32") for i in range(4)]  # 200 B out
     assert len(plan_shard_files(plans, 800)[0]) == 1

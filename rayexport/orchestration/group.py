@@ -136,18 +136,20 @@ class WorkerGroup:
         Logs, per node, the files it reads and the workers reading them."""
         self.export_node = export_node
         capacity = cluster.capacity(self._bundle)
-        writers = self.options.writers if export_node is not None else 1
+        writers = self.options.writers
         if checkpoint.store.nowhere() is not None:  # files were looked for on every node: spread over them
             files = checkpoint.read_files()
             holders = {name: checkpoint.store.holders(name) for name in files}
             first_node = export_node or first_reader_node(checkpoint, cluster, self._bundle)
-            self.nodes = place_by_files(files, holders, first_node, self.size, capacity, cluster.labels, writers)
+            # by default the files decide: every worker they put on the destination's node writes
+            on_first = (writers or 1) if export_node is not None else 1
+            self.nodes = place_by_files(files, holders, first_node, self.size, capacity, cluster.labels, on_first)
             for node in dict.fromkeys(self.nodes.worker_nodes):
                 workers = [index for index, at in enumerate(self.nodes.worker_nodes) if at == node]
                 read = sorted(name for name, worker in self.nodes.file_readers.items() if worker in workers)
                 log.info("node %s: worker(s) %s read %s", cluster.labels[node], ", ".join(map(str, workers)), ", ".join(read))
         elif export_node is not None:
-            self.nodes = pin_writers(export_node, self.size, writers, capacity)
+            self.nodes = pin_writers(export_node, self.size, writers or self.size, capacity)  # by default, all that fit
         else:
             return
         if len(self.nodes.worker_nodes) != self.size:

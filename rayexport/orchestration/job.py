@@ -163,16 +163,17 @@ def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, 
     converted = model.formats.tiles(planning.naming, planning.format) is not None
     if converted:
         log.info("converting the checkpoint's %s names to the %s format", planning.naming, planning.format)
-    shard_files, split = plan_shard_files(planning.tensors, options.max_shard_size)
+    writers = options.writers or group.size
+    if group.writers_limit is not None and writers > group.writers_limit:
+        if options.writers:
+            log.info("%d writer(s) instead of --writers %d: a local --dst is written by the workers on its node only",
+                     group.writers_limit, writers)
+        writers = group.writers_limit
+    shard_files, split = plan_shard_files(planning.tensors, options.max_shard_size, writers)
     adapter_files = [
         ShardFile(ADAPTER_WEIGHTS, tuple(tensor.name for tensor in safetensors_order(planning.adapters)))
     ] if planning.adapters else []
     by_name = {tensor.name: tensor for tensor in planning.tensors + planning.adapters}
-    writers = options.writers
-    if group.writers_limit is not None and writers > group.writers_limit:
-        log.info("%d writer(s) instead of --writers %d: a local --dst is written by the workers on its node only",
-                 group.writers_limit, writers)
-        writers = group.writers_limit
     transfer = plan_transfer(
         shard_files + adapter_files, by_name, source.loaded.worker_of_rank, group.size, options.bucket_size, writers
     )

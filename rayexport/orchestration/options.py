@@ -104,8 +104,11 @@ class ExportOptions:
                           "LFS pointers use; the checks compare a fast 128-bit digest either way)", group=OUTPUT)
     workers: int | None = option(help="worker actors (default: min(world size, cluster CPUs))", group=CLUSTER,
                                  metavar="N")
-    writers: int = option(1, "workers that each write a disjoint share of the output files", group=CLUSTER,
-                          metavar="K")
+    writers: int | None = option(
+        help="workers that each write a disjoint share of the output files (default: every worker, on a local "
+        "DST every worker on its node; an export of at least K GiB is written as at least K files of about "
+        "equal size, so that each writer has its share)", group=CLUSTER, metavar="K",
+    )
     backend: str = option(
         "auto", "nccl (a whole GPU per worker) or gloo (CPUs); auto: nccl only when every worker finds a whole "
         "free GPU at the start, else gloo (the log says why)", group=CLUSTER, choices=BACKENDS,
@@ -177,7 +180,7 @@ class ExportOptions:
         if self.backend == "nccl" and gpus is not None and not is_whole(gpus):
             why = "gives it none" if gpus == 0 else "is not a whole number (NCCL refuses two ranks on one device)"
             raise ExportError(f"--backend nccl needs a whole GPU per worker; --num-gpus-per-worker {gpus:g} {why}")
-        if self.writers < 1:
+        if self.writers is not None and self.writers < 1:
             raise ExportError(f"--writers must be at least 1, not {self.writers}")
         if self.bucket_size < 1:
             raise ExportError("--bucket-size must be positive")

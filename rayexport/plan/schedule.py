@@ -5,6 +5,7 @@ every worker steps through them. Pure functions.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -58,10 +59,19 @@ def safetensors_order(tensors: list[TensorPlan]) -> list[TensorPlan]:
     return sorted(tensors, key=lambda plan: (-SAFETENSORS_ORDER[plan.dtype], plan.name))
 
 
-def plan_shard_files(tensors: list[TensorPlan], max_shard_size: int | str) -> tuple[list[ShardFile], StateDictSplit]:
-    """Split the output into HF-convention files (huggingface_hub's greedy rule and names).
-    Returns each file with its tensors in write order, and huggingface_hub's split, which the
-    index is written from."""
+# The least each writer is given of an export split for several writers: below it the write is
+# short (about a second a GiB on one core), and the files huggingface_hub's rule makes are kept.
+WRITER_SHARE = 2**30
+
+
+def plan_shard_files(
+    tensors: list[TensorPlan], max_shard_size: int, writers: int = 1
+) -> tuple[list[ShardFile], StateDictSplit]:
+    """Split the output into HF-convention files: huggingface_hub's greedy rule and names, or,
+    with several `writers` and at least WRITER_SHARE for each, as many files as the writers (a
+    multiple of them where `max_shard_size` needs more) of about equal size, so that each
+    writer has an equal share. Returns each file with its tensors in write order, and the
+    split, which the index is written from."""
     by_name = {plan.name: plan for plan in tensors}
     split = split_state_dict_into_shards_factory(
         by_name,
@@ -69,6 +79,9 @@ def plan_shard_files(tensors: list[TensorPlan], max_shard_size: int | str) -> tu
         filename_pattern=SAFETENSORS_WEIGHTS_FILE_PATTERN,
         max_shard_size=max_shard_size,
     )
+    sharing = min(writers, sum(plan.nbytes for plan in tensors) // WRITER_SHARE)
+    if sharing > 1:
+        split = _even_split(by_name, max_shard_size, sharing, len(split.filename_to_tensors))
     files = [
         ShardFile(
             filename=filename,
@@ -77,6 +90,43 @@ def plan_shard_files(tensors: list[TensorPlan], max_shard_size: int | str) -> tu
         for filename, names in split.filename_to_tensors.items()
     ]
     return files, split
+
+
+def _even_split(by_name: dict[str, TensorPlan], max_shard_size: int, writers: int, least: int) -> StateDictSplit:
+    """The tensors, in order, cut into a multiple of `writers` files (at least `least`) of
+    about equal size, each within `max_shard_size` unless it holds one tensor larger than that;
+    named as huggingface_hub names a split (its own splitter only fills files to the limit)."""
+    names, sizes = list(by_name), [plan.nbytes for plan in by_name.values()]
+    count = min(len(sizes), -(-least // writers) * writers)
+    while True:
+        cuts = _even_cuts(sizes, count)
+        runs = list(zip(cuts, cuts[1:]))
+        if count >= len(sizes) or all(sum(sizes[a:b]) <= max_shard_size or b - a == 1 for a, b in runs):
+            break
+        count = min(len(sizes), count + writers)
+    filename_to_tensors = {
+        SAFETENSORS_WEIGHTS_FILE_PATTERN.format(suffix=f"-{number:05d}-of-{len(runs):05d}"): names[a:b]
+        for number, (a, b) in enumerate(runs, start=1)
+    }
+    return StateDictSplit(
+        metadata={"total_size": sum(sizes)},
+        filename_to_tensors=filename_to_tensors,
+        tensor_to_filename={name: filename for filename, run in filename_to_tensors.items() for name in run},
+    )
+
+
+def _even_cuts(sizes: list[int], count: int) -> list[int]:
+    """Where to cut `sizes`, in order, into `count` non-empty runs of about equal sums: at each
+    j/count of the total, the nearest tensor boundary (0 and len(sizes) included)."""
+    ends = list(itertools.accumulate(sizes, initial=0))
+    cuts = [0]
+    for part in range(1, count):
+        target = ends[-1] * part / count
+        low, high = cuts[-1] + 1, len(sizes) - (count - part)  # every run keeps a tensor
+        above = bisect.bisect_left(ends, target)  # the first boundary at or past the target
+        candidates = {min(max(cut, low), high) for cut in (above - 1, above)}
+        cuts.append(min(candidates, key=lambda cut: (abs(ends[cut] - target), cut)))
+    return cuts + [len(sizes)]
 
 
 def assign_ranks(ranks: list[int], num_workers: int) -> dict[int, int]:
