@@ -51,19 +51,31 @@ class VerlCheckpoint(Checkpoint):
     ) -> Loaded:
         """Rank 0's file (read by worker 0) tells which ranks hold data not found elsewhere
         (HSDP replicas are skipped); those are spread over the workers (or read where
-        `file_readers` says), whole files each."""
-        rank_infos = load({0: [0]})
+        `file_readers` says), whole files each. Beside rank 0, each other worker reads the first
+        rank it would read if every rank were needed (FSDP's case): with replicas, one such
+        rank per worker was read for nothing, and is left out."""
+        everyone = self._readers(list(range(self.world_size)), num_workers, file_readers)
+        first: dict[int, list[int]] = {}
+        for rank, worker in sorted(everyone.items()):
+            first.setdefault(worker, [rank])
+        rank_infos = load(first)
         ranks = needed_ranks(rank_infos[0], self.world_size)
-        if file_readers is None:
-            worker_of_rank = assign_ranks(ranks, num_workers)
-        else:
-            worker_of_rank = {rank: file_readers[self.rank_files[rank]] for rank in ranks}
+        worker_of_rank = self._readers(ranks, num_workers, file_readers)
+        rank_infos = {rank: infos for rank, infos in rank_infos.items() if worker_of_rank.get(rank) == everyone[rank]}
         rest: dict[int, list[int]] = {}
-        for rank in ranks[1:]:
-            rest.setdefault(worker_of_rank[rank], []).append(rank)
+        for rank in ranks:
+            if rank not in rank_infos:
+                rest.setdefault(worker_of_rank[rank], []).append(rank)
         if rest:
             rank_infos.update(load(rest))
         return Loaded(rank_infos, holders_from_ranks(rank_infos), worker_of_rank)
+
+    def _readers(self, ranks: list[int], num_workers: int, file_readers: dict[str, int] | None) -> dict[int, int]:
+        """The worker that reads each of `ranks`: where `file_readers` puts its file, else in
+        contiguous blocks (rank 0 on worker 0)."""
+        if file_readers is None:
+            return assign_ranks(ranks, num_workers)
+        return {rank: file_readers[self.rank_files[rank]] for rank in ranks}
 
     def part_bytes(self, part: list[int]) -> int:
         """The bytes of the rank files `part`."""
