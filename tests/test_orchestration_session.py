@@ -50,5 +50,5 @@ def test_the_imports_phase_counts_the_process_only_where_it_is_the_command(ray_a
         pass
     with command_line_session("WARNING", command, whole_process=True):
         pass
-    assert command["imports"] >= age > called["imports"]
+    assert command["imports"] + 0.001 >= age > called["imports"]  # the seconds are rounded to the millisecond
     assert "ray_stop" not in called and "ray_stop" not in command  # joined, not started: left running
