@@ -200,7 +200,7 @@ class WorkerGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.placement_group, placement_group_bundle_index=index
                     ),
-                ).remote(index, self.size, self.options.log_level, self.export_id)
+                ).remote(index, self.size, self.options.log_level, self.export_id, self.options.num_cpus_per_worker)
             )
         # worker 0 starts the reload's process first, so that its imports overlap all that follows
         preparing = [self.actors[0].prepare_checks.remote()] if self._verifies else []

@@ -128,9 +128,17 @@ class WorkerTransfer:
 class ExportWorker:
     """One member of the export's process group (a Ray actor)."""
 
-    def __init__(self, index: int, num_workers: int, log_level: str, export_id: str | None = None) -> None:
+    def __init__(
+        self, index: int, num_workers: int, log_level: str, export_id: str | None = None, cpus: float | None = None,
+    ) -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
+        if cpus is not None:
+            # torch's threads are the CPUs the worker reserved. Ray's own limit (OMP_NUM_THREADS)
+            # comes too late in a process started ahead that imported torch already (a local
+            # Ray's): OpenMP then runs a thread per core, which spin between the scan's chunks
+            # and took a quarter of the CPU time of a transfer on two cores.
+            torch.set_num_threads(max(1, int(cpus)))
         self.index = index
         self.num_workers = num_workers
         self.device = torch.device("cpu")  # the GPU under NCCL, once it joins the group
