@@ -37,7 +37,7 @@ class Prepared(Recorded):
         super().__init__(name, levels)
         self.discarded: list[str] = []
 
-    def prepare(self):
+    def prepare(self, cpus=1):
         return f"{self.name}'s process"
 
     def discard(self, prepared) -> None:

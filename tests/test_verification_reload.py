@@ -222,10 +222,13 @@ def test_quick_compares_the_headers_only(broken):
 def test_a_process_started_ahead_checks_as_one_started_for_the_check_and_is_used_up(tied_export, monkeypatch):
     """The reload's process started before the export is written (its imports done while it
     waits) gives the same result as one started for the check, from an environment without the
-    credentials the parent had when it started it; after the check it is gone, folder and all."""
+    credentials the parent had when it started it, with the threads it was given (a Ray worker's
+    own are one); after the check it is gone, folder and all."""
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "must-not-reach-the-child")
-    process = ReloadProcess()
-    assert "AWS_SECRET_ACCESS_KEY" not in process_environment(process.process.pid)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    process = ReloadProcess(threads=3)
+    environment = process_environment(process.process.pid)
+    assert "AWS_SECRET_ACCESS_KEY" not in environment and environment["OMP_NUM_THREADS"] == "3"
     ahead = check_reload(Store(tied_export), expected(tied=TIED), TIMEOUT_S, LARGE, process)
     now = check_reload(Store(tied_export), expected(tied=TIED), TIMEOUT_S, LARGE)
     timing = ("started_at", "imports_s", "waited_s", "startup_rss_bytes", "peak_rss_bytes")

@@ -190,6 +190,7 @@ class WorkerGroup:
         self._place()
         self.worker_node_ids = self._bundle_nodes()
         actor_class = ray.remote(concurrency_groups={CHECKS_GROUP: 1, PROGRESS_GROUP: 1})(ExportWorker)
+        check_cpus = self.options.num_cpus_per_worker * self._workers_beside_first()
         for index in range(self.size):
             self.actors.append(
                 actor_class.options(
@@ -200,7 +201,7 @@ class WorkerGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.placement_group, placement_group_bundle_index=index
                     ),
-                ).remote(index, self.size, self.options.log_level, self.export_id, self.options.num_cpus_per_worker)
+                ).remote(index, self.size, self.options.log_level, self.export_id, self.options.num_cpus_per_worker, check_cpus)
             )
         # worker 0 starts the reload's process first, so that its imports overlap all that follows
         preparing = [self.actors[0].prepare_checks.remote()] if self._verifies else []
@@ -339,6 +340,12 @@ class WorkerGroup:
             self.placement_group = None
         if nodes:
             remove_spool_on(nodes, self.export_id)
+
+    def _workers_beside_first(self) -> int:
+        """How many workers (worker 0 included) were placed on worker 0's node: whose CPUs the
+        consumer checks, run there once the export is written, may use."""
+        first = self.worker_node_ids[0] if self.worker_node_ids else None
+        return sum(node == first for node in self.worker_node_ids) if first else 1
 
     def _bundle_nodes(self) -> list[str | None]:
         """The Ray node of each worker, as the placement group placed its bundle."""

@@ -130,6 +130,7 @@ class ExportWorker:
 
     def __init__(
         self, index: int, num_workers: int, log_level: str, export_id: str | None = None, cpus: float | None = None,
+        check_cpus: float = 1.0,
     ) -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
@@ -139,6 +140,9 @@ class ExportWorker:
             # Ray's): OpenMP then runs a thread per core, which spin between the scan's chunks
             # and took a quarter of the CPU time of a transfer on two cores.
             torch.set_num_threads(max(1, int(cpus)))
+        # worker 0's consumer checks run once the export is written, on the CPUs the export's
+        # workers hold on its node
+        self.check_cpus = max(1, int(check_cpus))
         self.index = index
         self.num_workers = num_workers
         self.device = torch.device("cpu")  # the GPU under NCCL, once it joins the group
@@ -158,7 +162,7 @@ class ExportWorker:
         """Worker 0: start what the consumer checks start ahead (the reload's process), so that
         their imports overlap the export, or, in a warm pool, are done before it starts."""
         if not self.prepared_checks:
-            self.prepared_checks = prepare_consumer_checks()
+            self.prepared_checks = prepare_consumer_checks(cpus=self.check_cpus)
 
     def consumer_checks(self, destination: Store, expected: ExpectedExport, timeout_s: float, memory_bound_bytes: int) -> dict:
         """Worker 0: run the consumer checks on the written export (each in a process of its

@@ -26,9 +26,10 @@ class ConsumerCheck(ABC):
         checks run, on the exporter)."""
         return 0.0
 
-    def prepare(self) -> Any:
+    def prepare(self, cpus: int = 1) -> Any:
         """Start what the check can start before the export is written (its process, so that
-        its imports overlap the export); `run` is handed it. None: nothing to start."""
+        its imports overlap the export), to use `cpus` CPUs once it runs; `run` is handed it.
+        None: nothing to start."""
         return None
 
     def discard(self, prepared: Any) -> None:

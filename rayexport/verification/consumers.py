@@ -32,9 +32,10 @@ class TransformersReload(ConsumerCheck):
         """At every level the export is verified at (at `quick`, it compares keys only)."""
         return True
 
-    def prepare(self) -> ReloadProcess:
-        """The reload's process, importing torch and transformers while the export is written."""
-        return ReloadProcess()
+    def prepare(self, cpus: int = 1) -> ReloadProcess:
+        """The reload's process, importing torch and transformers while the export is written;
+        its forward pass runs `cpus` threads."""
+        return ReloadProcess(threads=cpus)
 
     def discard(self, prepared: ReloadProcess) -> None:
         prepared.close()
@@ -55,9 +56,10 @@ class TransformersReload(ConsumerCheck):
 CONSUMER_CHECKS: list[ConsumerCheck] = [TransformersReload(), VllmServe()]
 
 
-def prepare_consumer_checks(checks: Sequence[ConsumerCheck] = CONSUMER_CHECKS) -> dict[str, Any]:
-    """What each of `checks` starts ahead of the export (see `ConsumerCheck.prepare`), by name."""
-    return {check.name: prepared for check in checks if (prepared := check.prepare()) is not None}
+def prepare_consumer_checks(checks: Sequence[ConsumerCheck] = CONSUMER_CHECKS, cpus: int = 1) -> dict[str, Any]:
+    """What each of `checks` starts ahead of the export (see `ConsumerCheck.prepare`), by name,
+    each to use `cpus` CPUs once it runs."""
+    return {check.name: prepared for check in checks if (prepared := check.prepare(cpus)) is not None}
 
 
 def discard_prepared(prepared: dict[str, Any], checks: Sequence[ConsumerCheck] = CONSUMER_CHECKS) -> None:

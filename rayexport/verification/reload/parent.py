@@ -48,14 +48,17 @@ def without_credentials(environment: Mapping[str, str]) -> dict[str, str]:
 class ReloadProcess:
     """The reload's child, started ahead of the check it runs: without storage credentials, with
     an empty module cache of its own, its imports (torch, transformers) done while the export is
-    still being written; it then waits for its command line on the channel. One check each."""
+    still being written; it then waits for its command line on the channel. One check each.
+    `threads`: torch's threads in it (None: as this process has them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
         self.scratch = tempfile.mkdtemp(prefix="rayexport-reload-")
         modules = os.path.join(self.scratch, "modules")
         os.mkdir(modules)
         env = without_credentials(os.environ)
         env.update(HF_MODULES_CACHE=modules, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        if threads is not None:  # torch's threads in the forward pass (this process's: Ray's limit for one worker)
+            env["OMP_NUM_THREADS"] = str(threads)
         self.errors = tempfile.TemporaryFile()
         self.started_at = time.time()
         self.process = subprocess.Popen(
