@@ -43,23 +43,30 @@ def starts_own_ray() -> bool:
     return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
 
 
-def ensure_ray(log_level: str) -> bool:
+# How `ensure_ray` made this process belong to Ray: what the process ends with.
+STARTED, JOINED = "started", "joined"
+
+
+def ensure_ray(log_level: str) -> str | None:
     """Join the Ray cluster at RAY_ADDRESS, or start a local one, unless this process already
-    belongs to one. Returns whether it started Ray (and so must stop it)."""
+    belongs to one. Returns STARTED (a Ray to stop), JOINED (a cluster to leave) or None (the
+    process belonged to Ray already)."""
     import ray
 
     if starts_own_ray():
         ray.init(**local_ray_settings(log_level))
-        return True
+        return STARTED
     if not ray.is_initialized():
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level=log_level, log_to_driver=True)
-    return False
+        return JOINED
+    return None
 
 
 @contextlib.contextmanager
 def command_line_session(log_level: str, seconds: dict[str, float], whole_process: bool = False) -> Iterator[None]:
     """The command line's Ray: started (or joined) at once, while `rayexport.orchestration.job` and what it
-    imports (torch, transformers) load in a thread; stopped on leaving when started here. Into
+    imports (torch, transformers) load in a thread; on leaving, stopped when started here, left
+    when joined here (a process that belonged to Ray already stays in it). Into
     `seconds`: `imports` (any wait for the imports after Ray is up, and with `whole_process`,
     the program itself, this process's start to here), `ray_start`, and on leaving `ray_stop`."""
     import ray
@@ -71,12 +78,14 @@ def command_line_session(log_level: str, seconds: dict[str, float], whole_proces
     importing = threading.Thread(target=importlib.import_module, args=("rayexport.orchestration.job",), daemon=True)
     importing.start()  # an import that fails raises again, with its own message, where it is used
     with timed_stage(seconds, "ray_start"):
-        started = ensure_ray(log_level)
+        belongs = ensure_ray(log_level)
     with timed_stage(seconds, "imports"):
         importing.join()
     try:
         yield
     finally:
-        if started:
+        if belongs == STARTED:
             with timed_stage(seconds, "ray_stop"):
                 ray.shutdown()
+        elif belongs == JOINED:
+            ray.shutdown()  # leaving here spares Ray's exit handler its half-second wait for late log lines
