@@ -1,11 +1,8 @@
-"""The export's Ray actors. Worker 0 is the exporter: it writes the output files (with
-`--writers K`, workers 0..K-1 each write their own share of them) plus the index, config,
-tokenizer and code.
-
-Each worker reads only the rank files assigned to it, memory-mapped, keeps them open until the
-transfer is done, and gives back the pages it has read after each step, so that its memory
-stays at the transfer window whatever the size of its files.
-"""
+"""The export's Ray actors. Each reads only the rank files assigned to it, memory-mapped, and
+gives back the pages it has read after each step, so that its memory stays at the transfer
+window whatever the size of its files. The writers among them (every worker by default) each
+write their share of the output files; worker 0, the exporter, also the index, config,
+tokenizer and code."""
 
 from __future__ import annotations
 
@@ -126,7 +123,9 @@ class WorkerTransfer:
 
 
 class ExportWorker:
-    """One member of the export's process group (a Ray actor)."""
+    """One member of the export's process group (a Ray actor). `cpus`: the CPUs it reserved,
+    torch's threads in it (None: torch's default); `check_cpus`: those the export's workers
+    hold on its node, which worker 0's consumer checks use once the export is written."""
 
     def __init__(
         self, index: int, num_workers: int, log_level: str, export_id: str | None = None, cpus: float | None = None,
@@ -134,14 +133,8 @@ class ExportWorker:
     ) -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
-        if cpus is not None:
-            # torch's threads are the CPUs the worker reserved. Ray's own limit (OMP_NUM_THREADS)
-            # comes too late in a process started ahead that imported torch already (a local
-            # Ray's): OpenMP then runs a thread per core, which spin between the scan's chunks
-            # and took a quarter of the CPU time of a transfer on two cores.
+        if cpus is not None:  # Ray's OMP_NUM_THREADS comes too late where torch was imported ahead (a local Ray)
             torch.set_num_threads(max(1, int(cpus)))
-        # worker 0's consumer checks run once the export is written, on the CPUs the export's
-        # workers hold on its node
         self.check_cpus = max(1, int(check_cpus))
         self.index = index
         self.num_workers = num_workers
