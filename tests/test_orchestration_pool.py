@@ -69,3 +69,39 @@ def test_a_failed_export_leaves_no_idle_group_in_its_pool(checkpoints, ray_addre
         idle = close_pool(pool)
     assert idle == 0
     assert not (tmp_path / "out" / "export_manifest.json").exists()
+
+
+DESCRIBE_IN_ANOTHER_PROCESS = """
+import json, sys
+import ray
+from rayexport.model.description import describe_model
+from rayexport.orchestration.pool import PoolDescriptions
+from rayexport.storage.store import Store
+ray.init(logging_level="ERROR")
+described = describe_model(Store(sys.argv[1]), None, False, described=PoolDescriptions(sys.argv[2]))
+print(json.dumps({"transformers": "transformers" in sys.modules, "expected": sorted(described.formats.disk.expected)}))
+"""
+
+
+def test_a_pool_keeps_the_model_description_for_exports_from_other_processes(ray_address, tmp_path):
+    """A command line run with --pool is a process of its own: the model the previous run
+    described is described again from the pool, without building it or importing transformers."""
+    import json
+    import subprocess
+    import sys
+
+    from rayexport.model.description import describe_model
+    from rayexport.orchestration.pool import PoolDescriptions
+    from rayexport.storage.store import Store
+    from support.models import tiny_config, write_hf_folder
+
+    folder = str(tmp_path / "hf")
+    write_hf_folder(tiny_config("qwen2-tied"), folder)
+    try:
+        first = describe_model(Store(folder), None, False, described=PoolDescriptions("described"))
+        again = subprocess.run([sys.executable, "-c", DESCRIBE_IN_ANOTHER_PROCESS, folder, "described"],
+                               capture_output=True, text=True, timeout=300, check=True)
+        found = json.loads(again.stdout.strip().splitlines()[-1])
+        assert found == {"transformers": False, "expected": sorted(first.formats.disk.expected)}
+    finally:
+        close_pool("described")

@@ -9,7 +9,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -207,22 +207,44 @@ class ModelDescription:
     float32_names: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
-# Descriptions already derived in this process, by `_folder_key`: an export of a later
-# checkpoint of the same model (a watcher, `export_remote` from a training loop) skips building
-# the meta model and tracing its conversion again.
-_DESCRIBED: dict[str, "ModelDescription"] = {}
-_DESCRIBED_LIMIT = 8
+class Described(Protocol):
+    """Descriptions derived before, by `_folder_key`: an export of a later checkpoint of the same
+    model skips building the meta model and tracing its conversion again (and importing
+    transformers' model code, the most of its seconds)."""
+
+    def get(self, key: str) -> "ModelDescription | None": ...
+
+    def __setitem__(self, key: str, description: "ModelDescription") -> None: ...
+
+
+class RecentDescriptions(dict):
+    """The last `limit` descriptions kept, the oldest dropped first."""
+
+    def __init__(self, limit: int = 8) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: str, description: "ModelDescription") -> None:
+        if key not in self and len(self) >= self.limit:
+            self.pop(next(iter(self)))
+        super().__setitem__(key, description)
+
+
+# Those of this process (a watcher's exports, `export_remote`'s in a reused Ray worker).
+_DESCRIBED = RecentDescriptions()
 
 
 def describe_model(
-    hf_store: Store, base_model: Store | None, trust_remote_code: bool, trainers: frozenset[str] = frozenset()
+    hf_store: Store, base_model: Store | None, trust_remote_code: bool, trainers: frozenset[str] = frozenset(),
+    described: Described | None = None,
 ) -> ModelDescription:
     """Config, meta-model names/shapes and tie aliases, and every file the export carries
     (tokenizer, generation config, remote code), from the checkpoint's HF folder, less its
     trainer's own files there (`trainers`). Remote code
     the folder lacks comes from the base model folder, else from the model's class module.
     A folder whose files are byte for byte those of one described before is described again
-    from memory."""
+    from `described` (default: this process's descriptions)."""
+    described = _DESCRIBED if described is None else described
     with tempfile.TemporaryDirectory(prefix="rayexport-hf-") as local:
         names = fetch_hf_folder(hf_store, local, trainers)
         with open(os.path.join(local, "config.json"), "rb") as handle:
@@ -236,8 +258,8 @@ def describe_model(
                     with open(os.path.join(local, name), "wb") as handle:
                         handle.write(base_model.read_bytes(name))
         key = _folder_key(local, trust_remote_code)
-        if key in _DESCRIBED:
-            return _DESCRIBED[key]
+        if (known := described.get(key)) is not None:
+            return known
         config = load_config(local, raw_config, trust_remote_code)
         meta_model = build_meta_model(config, trust_remote_code)
         if any(not os.path.exists(os.path.join(local, name)) for name in code_files):
@@ -255,9 +277,7 @@ def describe_model(
         fan_in_fan_out=fan_in_fan_out_weights(meta_model),
         float32_names=kept_in_float32(meta_model, set(formats.memory.expected) | set(formats.disk.expected)),
     )
-    if len(_DESCRIBED) >= _DESCRIBED_LIMIT:
-        _DESCRIBED.pop(next(iter(_DESCRIBED)))
-    _DESCRIBED[key] = description
+    described[key] = description
     return description
 
 

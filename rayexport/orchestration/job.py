@@ -26,6 +26,7 @@ from rayexport.model.description import ModelDescription, describe_model, genera
 from rayexport.orchestration.export_plan import ExportPlan, plan_export
 from rayexport.orchestration.group import Transferred, WorkerGroup
 from rayexport.orchestration.options import ExportOptions
+from rayexport.orchestration.pool import PoolDescriptions
 from rayexport.orchestration.progress import shown_progress
 from rayexport.orchestration.references import (
     SourceScan, check_finite, scan_ahead, scanned_ahead, scanned_in_transfer, transfer_scan,
@@ -273,7 +274,8 @@ def _prepare(plan: ExportPlan) -> ModelDescription:
     hf_config = Store(options.hf_config, destination.options) if options.hf_config else None
     folder = hf_folder(plan.checkpoint.hf_folder, hf_config, plan.checkpoint.nearby_hf_folder, plan.base_model)
     trainers = plan.checkpoint.trainer_files if folder is plan.checkpoint.hf_folder else frozenset()
-    model = describe_model(folder, plan.base_model, options.trust_remote_code, trainers)
+    described = PoolDescriptions(options.pool) if options.pool else None
+    model = describe_model(folder, plan.base_model, options.trust_remote_code, trainers, described)
     checkpoint = plan.checkpoint
     if checkpoint.producer_namings is not None:
         producers = checkpoint.producer_namings(model.config, model.formats.disk)

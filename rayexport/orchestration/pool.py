@@ -4,7 +4,9 @@ and process-group start-up once.
 
 A pool is a detached named actor (the keeper) holding idle worker groups by shape (workers,
 backend, CPUs and GPUs per worker); groups and their placement groups are detached too, so they
-outlive the task or driver that started them. `close_pool(name)` removes them all.
+outlive the task or driver that started them. The keeper also holds the last model descriptions
+its exports derived, so that an export from another process (each command line run with
+`--pool`) describes the same model without transformers. `close_pool(name)` removes them all.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from typing import Any
+
+from rayexport.model.description import ModelDescription, RecentDescriptions
 
 NAMESPACE = "rayexport"
 
@@ -25,11 +29,18 @@ class IdleGroup:
 
 
 class PoolKeeper:
-    """The pool's state (a Ray actor): idle groups by shape. A group is either taken by one
-    export or idle here, never both."""
+    """The pool's state (a Ray actor): idle groups by shape (a group is either taken by one
+    export or idle here, never both), and recent model descriptions by their folder's key."""
 
     def __init__(self) -> None:
         self.idle: dict[str, list[IdleGroup]] = {}
+        self.described = RecentDescriptions()
+
+    def description(self, key: str) -> ModelDescription | None:
+        return self.described.get(key)
+
+    def remember(self, key: str, description: ModelDescription) -> None:
+        self.described[key] = description
 
     def take(self, shape: str) -> IdleGroup | None:
         groups = self.idle.get(shape)
@@ -42,6 +53,21 @@ class PoolKeeper:
         groups = [group for shape_groups in self.idle.values() for group in shape_groups]
         self.idle.clear()
         return groups
+
+
+class PoolDescriptions:
+    """The descriptions a pool's keeper holds, as `describe_model` looks them up."""
+
+    def __init__(self, pool: str) -> None:
+        self.keeper = get_keeper(pool)
+
+    def get(self, key: str) -> ModelDescription | None:
+        import ray
+
+        return ray.get(self.keeper.description.remote(key))
+
+    def __setitem__(self, key: str, description: ModelDescription) -> None:
+        self.keeper.remember.remote(key, description)
 
 
 def keeper_name(pool: str) -> str:
