@@ -62,6 +62,20 @@ def test_workers_hold_a_bounded_window_and_two_writers_split_the_files(synthetic
         assert torch.equal(handle.get_tensor(name), expected)
 
 
+def test_by_default_every_worker_writes_an_equal_share(synthetic, tmp_path, ray_address, monkeypatch):
+    """Without --writers every worker writes, and an export of at least a share per writer is cut
+    into that many files of about equal size (the share, 1 GiB, is lowered to fit this checkpoint)."""
+    import rayexport.plan.schedule as schedule
+
+    monkeypatch.setattr(schedule, "WRITER_SHARE", 32 * MiB)
+    source, _ = synthetic
+    report = export(str(source), str(tmp_path / "out"), workers=2, bucket_size=BUCKET, verify="quick", dtype="float32")
+    written = {worker: [name for name in names if name.endswith(".safetensors")] for worker, names in report.files_by_worker.items()}
+    assert sorted(map(len, written.values())) == [1, 1]  # one file each
+    sizes = [report.files[name]["size"] for names in written.values() for name in names]
+    assert abs(sizes[0] - sizes[1]) <= 4 * MiB  # within one tensor: the embedding, 2048 x 512 float32
+
+
 def test_a_worker_killed_mid_gather_ends_the_export_within_seconds(synthetic, tmp_path, ray_address):
     source, _ = synthetic
     destination = tmp_path / "out"
