@@ -293,8 +293,11 @@ def _folder_files(local: str) -> dict[str, bytes]:
 
 
 def _folder_key(local: str, trust_remote_code: bool) -> str:
-    """What a description is derived from: every file's path and bytes, and whether remote code runs."""
-    digest = hashlib.sha256(b"remote code" if trust_remote_code else b"")
+    """What a description is derived from: every file's path and bytes, whether remote code runs,
+    and the transformers that builds the model (a pool's descriptions serve other processes)."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256((b"remote code" if trust_remote_code else b"") + version("transformers").encode())
     for name, data in sorted(_folder_files(local).items()):
         digest.update(hashlib.sha256(name.encode()).digest() + hashlib.sha256(data).digest())
     return digest.hexdigest()
