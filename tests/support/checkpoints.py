@@ -9,6 +9,7 @@ Each returns what a faithful export must reproduce.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -370,6 +371,8 @@ def _save_synthetic_rank(
             state = _synthetic_shards(rank, world_size, mesh, config, conditioned)
             save_rank_state({"model": state} if layout == "dcp" else state, out_dir, rank, world_size, layout)
             del state
+            if one_rank_at_a_time:  # glibc keeps a freed share in the heap, where the next rank's would add to it
+                ctypes.CDLL(None).malloc_trim(0)
         dist.barrier()
 
 
