@@ -14,17 +14,30 @@ PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 def build_skeleton(path: str, trust_remote_code: bool):
     """The export's config and its model in eval mode, every parameter on the meta device (no
     memory) and ties made as `from_pretrained` makes them; buffers are computed for real, since
-    a non-persistent one (rotary frequencies) is in no file."""
+    a non-persistent one (rotary frequencies) is in no file. The weights' initialisation, which
+    would only fill meta tensors (0.3 s for 88 layers), is skipped as `from_pretrained` skips it:
+    transformers does so by replacing torch's init functions for every thread of the process,
+    which only this process of a single thread may do (never the driver, whose model description
+    runs beside other threads)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
     from rayexport.model.description import model_class
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), no_init_weights():
         model = model_class(config).build(config, trust_remote_code)
     model.tie_weights()
     return config, model.eval()
+
+
+def no_init_weights():
+    """transformers' context that skips the weights' initialisation (moved in version 5)."""
+    try:
+        from transformers.initialization import no_init_weights as skipping
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights as skipping
+    return skipping()
 
 
 def model_formats_of(model: torch.nn.Module, tied: list[tuple[str, str]]):
