@@ -65,19 +65,19 @@ def test_an_inconsistent_checkpoint_is_one_line_naming_the_file(tmp_path, case, 
 
 
 def test_ranks_are_read_rank_zero_first_then_spread_in_blocks(tmp_path):
-    """Rank 0 on worker 0 and, beside it, each other worker's first rank; then the rest."""
+    """Rank 0 on worker 0 and, beside it, rank 1 on worker 1; then the rest in blocks."""
     checkpoint = find_verl_checkpoint(verl_folder(tmp_path, 4))
     ranks = fsdp2_ranks({EMBED: (10, 4), NORM: (4,)}, 4)
     load, steps = recording_load(lambda rank: ranks[rank])
     loaded = checkpoint.share(2, {}, load)
-    assert steps == [{0: [0], 1: [2]}, {0: [1], 1: [3]}]
-    assert loaded.worker_of_rank == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert steps == [{0: [0], 1: [1]}, {0: [2], 1: [3]}]
+    assert loaded.worker_of_rank == {0: 0, 1: 1, 2: 0, 3: 1}
     assert sorted(loaded.holders[EMBED]) == [0, 1, 2, 3]
 
 
 def test_an_hsdp_checkpoint_reads_one_replica_of_each_shard(tmp_path):
-    """A 2x2 ("ddp", "fsdp") mesh: ranks 2 and 3 replicate ranks 0 and 1; rank 2, read beside
-    rank 0 as if it were needed, is left out, and rank 3 is never read."""
+    """A 2x2 ("ddp", "fsdp") mesh: ranks 2 and 3 replicate ranks 0 and 1, and are never read;
+    ranks 0 and 1, the first replica, are read in one step."""
     checkpoint = find_verl_checkpoint(verl_folder(tmp_path, 4))
 
     def infos(rank):
@@ -86,7 +86,7 @@ def test_an_hsdp_checkpoint_reads_one_replica_of_each_shard(tmp_path):
 
     load, steps = recording_load(infos)
     loaded = checkpoint.share(2, {}, load)
-    assert steps == [{0: [0], 1: [2]}, {1: [1]}]
+    assert steps == [{0: [0], 1: [1]}]
     assert sorted(loaded.rank_infos) == [0, 1] and loaded.worker_of_rank == {0: 0, 1: 1}
     assert sorted(loaded.holders[EMBED]) == [0, 1]
 

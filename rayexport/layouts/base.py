@@ -170,11 +170,16 @@ class Layout(Protocol):
 
 def load_ranks(load: LoadStep, worker_of_rank: dict[int, int]) -> Loaded:
     """One `load` step in which each worker reads its ranks (as `Part`s, lists of rank numbers)."""
+    rank_infos = load(rank_parts(worker_of_rank))
+    return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
+
+
+def rank_parts(worker_of_rank: dict[int, int]) -> dict[int, list[int]]:
+    """Each worker's ranks, in order (its `Part`), from the worker of each rank."""
     parts: dict[int, list[int]] = {}
     for rank, worker in sorted(worker_of_rank.items()):
         parts.setdefault(worker, []).append(rank)
-    rank_infos = load(parts)
-    return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
+    return parts
 
 
 def marker_snapshot(store: Store, names: list[str], marker: str) -> dict[str, int] | None:

@@ -14,7 +14,7 @@ import torch
 
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import (
-    HF_DIR, Advance, Checkpoint, Loaded, LoadStep, MappedTensors, SourceSettings, SourceTensors, marker_snapshot,
+    HF_DIR, Advance, Checkpoint, Loaded, LoadStep, MappedTensors, SourceSettings, SourceTensors, marker_snapshot, rank_parts,
 )
 from rayexport.layouts.mapped import local_file
 from rayexport.plan.pieces import holders_from_ranks, needed_ranks
@@ -51,30 +51,29 @@ class VerlCheckpoint(Checkpoint):
     ) -> Loaded:
         """Rank 0's file (read by worker 0) tells which ranks hold data not found elsewhere
         (HSDP replicas are skipped); those are spread over the workers (or read where
-        `file_readers` says), whole files each. Beside rank 0, each other worker reads the first
-        rank it would read if every rank were needed (FSDP's case): with replicas, one such
-        rank per worker was read for nothing, and is left out."""
-        everyone = self._readers(list(range(self.world_size)), num_workers, file_readers)
-        first: dict[int, list[int]] = {}
-        for rank, worker in sorted(everyone.items()):
-            first.setdefault(worker, [rank])
-        rank_infos = load(first)
+        `file_readers` says), whole files each. Beside rank 0, the other workers read ranks 1,
+        2, ... in the same step: FSDP needs every rank, and HSDP's ("ddp", "fsdp") mesh puts
+        its first replica on the lowest ranks (a rank that turns out not to be needed, in a
+        mesh of another order, is left out)."""
+        if file_readers is None:
+            first = {rank: rank for rank in range(min(num_workers, self.world_size))}
+        else:
+            first = {rank: file_readers[self.rank_files[rank]] for rank in range(min(num_workers, self.world_size))}
+        rank_infos = load(rank_parts(first))
         ranks = needed_ranks(rank_infos[0], self.world_size)
-        worker_of_rank = self._readers(ranks, num_workers, file_readers)
-        rank_infos = {rank: infos for rank, infos in rank_infos.items() if worker_of_rank.get(rank) == everyone[rank]}
-        rest: dict[int, list[int]] = {}
-        for rank in ranks:
-            if rank not in rank_infos:
-                rest.setdefault(worker_of_rank[rank], []).append(rank)
+        rank_infos = {rank: infos for rank, infos in rank_infos.items() if rank in ranks}
+        worker_of_rank = {rank: first[rank] for rank in rank_infos}
+        rest = [rank for rank in ranks if rank not in rank_infos]
+        worker_of_rank.update(self._readers(rest, num_workers, file_readers))
         if rest:
-            rank_infos.update(load(rest))
+            rank_infos.update(load(rank_parts({rank: worker_of_rank[rank] for rank in rest})))
         return Loaded(rank_infos, holders_from_ranks(rank_infos), worker_of_rank)
 
     def _readers(self, ranks: list[int], num_workers: int, file_readers: dict[str, int] | None) -> dict[int, int]:
         """The worker that reads each of `ranks`: where `file_readers` puts its file, else in
-        contiguous blocks (rank 0 on worker 0)."""
+        contiguous blocks."""
         if file_readers is None:
-            return assign_ranks(ranks, num_workers)
+            return assign_ranks(ranks, num_workers) if ranks else {}
         return {rank: file_readers[self.rank_files[rank]] for rank in ranks}
 
     def part_bytes(self, part: list[int]) -> int:
