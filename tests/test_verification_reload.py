@@ -248,6 +248,19 @@ def test_a_process_started_ahead_ends_when_its_parent_goes_away_without_a_check(
 
 
 def process_environment(pid: int) -> dict[str, str]:
+    """The environment the reload's child started with, once it runs the child's module (until
+    then /proc shows that of the process it was forked from, or of `nice`)."""
+    import time
+
+    def started() -> bool:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            argv = handle.read().split(b"\0")
+        return argv[0] != b"nice" and b"rayexport.verification.reload.child" in argv
+
+    deadline = time.monotonic() + 60
+    while not started():
+        assert time.monotonic() < deadline, "the reload's child never started"
+        time.sleep(0.01)
     with open(f"/proc/{pid}/environ", "rb") as handle:
         return dict(item.split("=", 1) for item in handle.read().decode().split("\0") if "=" in item)
 
