@@ -4,11 +4,15 @@ session's own Ray (conftest.py) starts with these settings, so every test runs o
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
+import pytest
 import ray
 
-from rayexport.orchestration.session import WORKER_MODULE, local_ray_settings
+from rayexport.orchestration.session import WORKER_MODULE, WORKER_PRELOADS, local_ray_settings
 
 
 def test_the_worker_processes_import_the_module_of_the_export_actor():
@@ -16,7 +20,8 @@ def test_the_worker_processes_import_the_module_of_the_export_actor():
 
     settings = local_ray_settings("INFO")
     assert ExportWorker.__module__ == WORKER_MODULE  # a worker moved elsewhere would start cold
-    assert settings["_system_config"]["preload_python_modules"] == [WORKER_MODULE]
+    assert settings["_system_config"]["preload_python_modules"] == WORKER_PRELOADS
+    assert WORKER_PRELOADS[0] == WORKER_MODULE
     assert settings["include_dashboard"] is False and settings["logging_level"] == "INFO"
 
 
@@ -31,7 +36,8 @@ def test_a_process_of_the_session_ray_has_imported_the_worker_module_before_it_r
     # it in a worker imports nothing of this test's modules
     namespace = {"__name__": "__main__"}
     exec("def imported(name):\n    import sys\n    return name in sys.modules", namespace)
-    assert ray.get(ray.remote(num_cpus=0)(namespace["imported"]).remote(WORKER_MODULE))
+    for module in WORKER_PRELOADS:
+        assert ray.get(ray.remote(num_cpus=0)(namespace["imported"]).remote(module))
     assert not ray.get(ray.remote(num_cpus=0)(namespace["imported"]).remote("rayexport.no_such_module"))
 
 
@@ -52,3 +58,31 @@ def test_the_imports_phase_counts_the_process_only_where_it_is_the_command(ray_a
         pass
     assert command["imports"] + 0.001 >= age > called["imports"]  # the seconds are rounded to the millisecond
     assert "ray_stop" not in called and "ray_stop" not in command  # joined, not started: left running
+
+
+# A process that starts a local Ray as the command line does, stops it, and prints which of
+# the processes it had started (every descendant: services, monitor, workers) still run.
+STARTS_AND_STOPS = """
+import json, time, psutil, ray
+from rayexport.orchestration.session import local_ray_settings, stop_started_ray
+ray.init(**local_ray_settings("ERROR"))
+ray.get(ray.remote(lambda: 1).remote())
+started = psutil.Process().children(recursive=True)
+names = sorted({" ".join(process.cmdline())[:200] for process in started})
+stop_started_ray()
+time.sleep(1.0)
+alive = [process.pid for process in started if process.is_running() and process.status() != psutil.STATUS_ZOMBIE]
+print(json.dumps({"names": names, "alive": alive}))
+"""
+
+
+@pytest.mark.slow
+def test_a_ray_the_command_started_is_stopped_with_all_its_processes():
+    """The command's own Ray is stopped with its monitor killed first (Ray's shutdown would wait
+    a second for it): nothing it started outlives the stop."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    completed = subprocess.run([sys.executable, "-c", STARTS_AND_STOPS], capture_output=True, text=True, timeout=180, env=env)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    found = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert any("monitor.py" in name for name in found["names"]) and any("raylet" in name for name in found["names"])
+    assert found["alive"] == []

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from typing import TYPE_CHECKING
 
 from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
@@ -25,11 +25,17 @@ from rayexport.layouts.base import (
 from rayexport.layouts.dcp_metadata import (
     DCP_METADATA, NON_MODEL_NAMES, DcpTensor, describe_entry, detect_prefix, first_name, read_metadata,
 )
-from rayexport.layouts.dcp_spool import SpooledTensors, spool
 from rayexport.plan.naming import model_names
 from rayexport.plan.pieces import holders_by_key
 from rayexport.plan.schedule import assign_by_bytes, keep_ties_together
 from rayexport.storage.store import Store
+
+# torch.distributed.checkpoint (and `dcp_spool`, which uses it) are imported where a checkpoint is
+# read, as in `dcp_metadata`.
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from rayexport.layouts.dcp_spool import SpooledTensors
 
 _DISTCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -151,6 +157,8 @@ def find_dcp_checkpoint(store: Store, prefix: str | None = None, *, unsafe_pickl
     `.metadata` is a pickle: it is unpickled allowing only the classes DCP metadata is made of,
     unless `unsafe_pickle`, which unpickles it as torch does, running any code it holds.
     """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     metadata = read_metadata(store, unsafe_pickle)
     entries = metadata.state_dict_metadata
     tensor_keys = [key for key, value in entries.items() if isinstance(value, TensorStorageMetadata)]
@@ -205,6 +213,8 @@ def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> 
     Tensor data is loaded with torch's weights-only unpickler; `.metadata` as
     `find_dcp_checkpoint` read it.
     """
+    from rayexport.layouts.dcp_spool import SpooledTensors, spool
+
     store = checkpoint.store
     unknown = [key for key in keys if key not in checkpoint.tensors]
     if unknown:
@@ -223,6 +233,8 @@ Chunks = dict[str, dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]]
 def chunks_by_file(checkpoint: DcpCheckpoint, metadata: Metadata | None = None) -> Chunks:
     """Per `.distcp` file, the (offset, sizes) of each chunk of each model tensor (model key) it
     holds, in the order of their offsets."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     metadata = metadata or read_metadata(checkpoint.store, checkpoint.unsafe_pickle)
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
     found: Chunks = {}
@@ -249,6 +261,8 @@ def read_file_chunks(checkpoint: DcpCheckpoint, name: str, spool_dir: str, slot:
     read into one local spool file as `read_tensors` reads whole tensors, each described with its
     offset in its tensor: how a checkpoint whose files are spread over nodes is read, on a node
     that holds `name`, never touching another file."""
+    from rayexport.layouts.dcp_spool import SpooledTensors, spool
+
     metadata = _unchanged_metadata(checkpoint, list(checkpoint.tensors))
     chunks: dict[str, tuple[DcpTensor, tuple[int, ...]]] = {}
     for model_key, places in chunks_by_file(checkpoint, metadata).get(name, {}).items():
@@ -270,6 +284,8 @@ def read_file_chunks(checkpoint: DcpCheckpoint, name: str, spool_dir: str, slot:
 
 def _unchanged_metadata(checkpoint: DcpCheckpoint, keys: list[str]) -> Metadata:
     """The checkpoint's `.metadata` read again, refusing a change to any of `keys` since it was listed."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     store = checkpoint.store
     metadata = read_metadata(store, checkpoint.unsafe_pickle)
     for key in keys:

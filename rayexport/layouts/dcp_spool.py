@@ -5,14 +5,18 @@ that the worker holds about one chunk at a time while it reads."""
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import tempfile
 import warnings
 from typing import Callable
 
+import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
@@ -22,7 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from rayexport.common.dtypes import dtype_name, dtype_of
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import Advance, MappedTensors
-from rayexport.layouts.dcp_metadata import DcpTensor, reason, storage_reader, unwrap
+from rayexport.layouts.dcp_metadata import DcpTensor, reason
 from rayexport.layouts.mapped import release_pages
 from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
@@ -169,3 +173,53 @@ def page_span(tensor: torch.Tensor) -> tuple[int, int]:
     """The addresses of a contiguous tensor's bytes, widened to whole pages."""
     start = tensor.data_ptr()
     return start - start % mmap.PAGESIZE, start + tensor.nbytes
+
+
+def storage_reader(store: Store, metadata: Metadata):
+    """torch's storage reader for `store` (plain files when local, fsspec otherwise), handed
+    the `metadata` that `read_metadata` read instead of fetching `.metadata` again."""
+    if store.is_local:
+        reader = _CheckedFileSystemReader(store.path())
+    else:
+        protocol = fsspec.core.split_protocol(store.uri)[0]
+        # The same options the Store opened its filesystem with, so fsspec reuses that instance.
+        options = store.options if protocol in ("s3", "s3a") else {}
+        reader = _CheckedFsspecReader(store.uri, **options)
+    reader.known_metadata = metadata
+    return reader
+
+
+class _CheckedMetadataReading:
+    """torch's reader, but with the `.metadata` that `read_metadata` read through the Store and
+    unpickled with an allow-list: torch's own `read_metadata` is a bare `pickle.load`, which
+    runs whatever code the file holds."""
+
+    known_metadata: Metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        self.known_metadata.storage_meta.load_id = self.load_id
+        return self.known_metadata
+
+
+class _CheckedFileSystemReader(_CheckedMetadataReading, FileSystemReader):
+    pass
+
+
+class _CheckedFsspecReader(_CheckedMetadataReading, FsspecReader):
+    def _slice_file(self, file, sinfo) -> io.BytesIO:
+        """One chunk's bytes, fetched with one ranged request through the filesystem of `file`
+        (an fsspec buffered file). torch reads a view of the open file instead, through fsspec's
+        read-ahead cache (50 MiB blocks on s3fs): each worker would fetch most of every rank file,
+        and hold a block beside each chunk."""
+        end = sinfo.offset + sinfo.length
+        return io.BytesIO(file.fs.cat_file(file.path, start=sinfo.offset, end=end))
+
+
+def unwrap(error: BaseException) -> BaseException:
+    """The first rank's own exception from a CheckpointException, which load() raises, even
+    without a process group, for any failure while planning or reading (and which derives from
+    BaseException, not Exception)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        wrapped = next(iter(error.failures.values()))
+        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return error

@@ -12,8 +12,6 @@ import concurrent.futures
 import re
 from dataclasses import dataclass, field
 
-from torch.distributed.checkpoint._hf_utils import _gen_file_name, _metadata_fn
-
 from rayexport.common.errors import ExportError, one_line
 from rayexport.layouts.base import HF_DIR, Advance, Checkpoint, Loaded, LoadStep, load_ranks, SourceSettings, SourceTensors
 from rayexport.layouts.hf import SafetensorsFiles
@@ -121,6 +119,8 @@ class ShardedSafetensorsLayout:
         # The writer leaves no marker of its own. Once every rank's files are complete, torch's
         # consolidation (torchtitan's too) writes the merged index into the parent, Automodel's
         # into `consolidated/`, and Automodel writes `config.yaml` into the step folder last.
+        from torch.distributed.checkpoint._hf_utils import _metadata_fn  # where it is used: see dcp_metadata
+
         parent = store.parent() or store
         if not (parent.exists(_metadata_fn) or store.exists(f"consolidated/{_metadata_fn}") or parent.exists("config.yaml")):
             return None
@@ -152,6 +152,8 @@ def find_sharded_checkpoint(store: Store) -> ShardedSafetensorsCheckpoint:
             f"of world size {world_size} (shard-{missing[0]:05d}-*) {'are' if plural else 'is'} {store.nowhere()}"
         )
     if missing:
+        from torch.distributed.checkpoint._hf_utils import _gen_file_name
+
         first_file = min(int(SHARD_FILE.match(name).group(2)) for names in by_rank.values() for name in names)
         raise ExportError(f"missing rank file '{store.display(_gen_file_name(first_file, counts.pop(), missing[0]))}'")
     rank_files = tuple(tuple(sorted(by_rank[shard])) for shard in range(1, world_size + 1))

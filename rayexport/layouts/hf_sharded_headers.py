@@ -10,8 +10,6 @@ import math
 import struct
 from dataclasses import dataclass
 
-from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
-
 from rayexport.common.dtypes import TORCH_NAME_OF_CODE
 from rayexport.common.errors import ExportError, one_line
 from rayexport.storage.store import Store
@@ -50,6 +48,8 @@ def read_header(store: Store, name: str) -> dict[str, Piece]:
 def header_pieces(entries: dict[str, tuple[list[int], str]], metadata: dict | None, where: str) -> dict[str, Piece]:
     """Pieces from a header's tensors (key -> shape, safetensors dtype code) and its metadata,
     where HuggingFaceStorageWriter records each piece's offsets."""
+    from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY  # see dcp_metadata
+
     try:
         offsets = json.loads((metadata or {})[CUSTOM_METADATA_KEY])
         pieces = {

@@ -2,7 +2,8 @@
 
 A Ray started here runs no dashboard, and the worker processes its raylet starts with it (one
 per CPU) import what an export's actor runs (torch, the readers, the gather) while Ray's own
-services come up, so that the actors start on processes that are ready."""
+services come up, so that the actors start on processes that are ready. It is stopped without
+the second that Ray's shutdown spends on its autoscaler monitor."""
 
 from __future__ import annotations
 
@@ -15,19 +16,22 @@ from typing import Iterator
 
 from rayexport.orchestration.report import timed_stage
 
-# What a worker process imports before it is handed an actor (`ExportWorker`'s module).
+# What a worker process imports before it is handed an actor: `ExportWorker`'s module, and the
+# readers' torch.distributed.checkpoint (with DTensor), which that module leaves to the load so
+# that the driver, which imports it for the actor's class, does not pay for it.
 WORKER_MODULE = "rayexport.orchestration.workers"
+WORKER_PRELOADS = [WORKER_MODULE, "torch.distributed.checkpoint"]
 
 
 def local_ray_settings(log_level: str) -> dict:
     """`ray.init`'s arguments for a local Ray. Its raylet starts a worker process per CPU as it
-    comes up; each imports WORKER_MODULE before it is handed an actor."""
+    comes up; each imports WORKER_PRELOADS before it is handed an actor."""
     return {
         "include_dashboard": False,
         "logging_level": log_level,
         "log_to_driver": True,
         "_system_config": {
-            "preload_python_modules": [WORKER_MODULE],
+            "preload_python_modules": WORKER_PRELOADS,
             # Ray keeps as many idle workers as there are free CPUs: once the export's placement
             # group holds them all, it would end the ready processes and start cold ones.
             "num_workers_soft_limit": os.cpu_count() or 1,
@@ -86,6 +90,19 @@ def command_line_session(log_level: str, seconds: dict[str, float], whole_proces
     finally:
         if belongs == STARTED:
             with timed_stage(seconds, "ray_stop"):
-                ray.shutdown()
+                stop_started_ray()
         elif belongs == JOINED:
             ray.shutdown()  # leaving here spares Ray's exit handler its half-second wait for late log lines
+
+
+def stop_started_ray() -> None:
+    """Stop the Ray this process started. Its autoscaler monitor (of no use to a one-node Ray)
+    is killed first, by its pid from this process's own Ray: `ray.shutdown` stops the GCS
+    before it, the monitor's exit handler then waits on the stopped GCS, and Ray kills it only
+    after a second's grace (1.0 of its 1.3 s here)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)  # this process's Ray, when it started one
+    if node is not None:
+        node.kill_monitor(check_alive=False)
+    ray.shutdown()
