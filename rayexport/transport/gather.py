@@ -14,6 +14,7 @@ import collections
 import datetime
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
@@ -99,6 +100,16 @@ class _Slot:
         self.wire = torch.empty(capacity, dtype=torch.uint8, device=device) if on_gpu else self.host
 
 
+@dataclass
+class _Receiving:
+    """A bucket's receives, posted into `slot`: each sender's pieces at their place in it."""
+
+    slot: _Slot
+    requests: list
+    placed: list[tuple[tuple[Piece, ...], int, int]]
+    size: int
+
+
 class Staging:
     """The window's buffers: `size` slots allocated once and reused bucket after bucket, so a
     worker's memory for the gather (host, and GPU under NCCL) is `size` times its largest
@@ -158,9 +169,9 @@ class Staging:
             self._block_host(torch.cuda.current_stream(self.device))
         self.release(slot)
 
-    def receive(self, slot: _Slot, bucket: Bucket, rank: int) -> dict[Piece, torch.Tensor]:
-        """Every other worker's pieces of `bucket`, received concurrently into the slot; returns
-        views of them in the slot's host buffer."""
+    def post_receive(self, slot: _Slot, bucket: Bucket, rank: int) -> "_Receiving":
+        """Start receiving every other worker's pieces of `bucket` into the slot, concurrently;
+        `finish_receive` waits for them."""
         requests, placed, position = [], [], 0
         for worker, pieces in enumerate(bucket.sends):
             if worker == rank or not pieces:
@@ -170,13 +181,17 @@ class Staging:
                 requests.append(dist.irecv(slot.wire[position:position + size], src=worker))
             placed.append((pieces, position, size))
             position += size
-        for request in requests:
+        return _Receiving(slot, requests, placed, position)
+
+    def finish_receive(self, receiving: "_Receiving") -> dict[Piece, torch.Tensor]:
+        """Wait for a posted receive; returns views of the pieces in the slot's host buffer."""
+        for request in receiving.requests:
             request.wait()
-        self.count("received", position)
-        self.to_host(slot, position)
+        self.count("received", receiving.size)
+        self.to_host(receiving.slot, receiving.size)
         received = {}
-        for pieces, start, size in placed:
-            received.update(zip(pieces, unpack(pieces, slot.host[start:start + size])))
+        for pieces, start, size in receiving.placed:
+            received.update(zip(pieces, unpack(pieces, receiving.slot.host[start:start + size])))
         return received
 
     def to_wire(self, slot: _Slot, size: int) -> None:
@@ -217,7 +232,7 @@ def run_transfer(
     """This worker's part of the gather, stepping through the buckets in the planned order.
 
     It packs and sends its pieces of other writers' buckets (packing bucket k+1 while bucket k
-    is on the wire) and receives its own buckets, whose tensors go, in order, to `write`
+    is on the wire, and while its own bucket k is being received) and receives its own buckets, whose tensors go, in order, to `write`
     running in a thread, so receiving bucket k+1 overlaps writing bucket k. At most `window`
     buckets are held at once (see `Staging`). `after_read` runs once a bucket's source bytes
     have been packed or written (to give back mapped pages), `sent` with the bytes of each
@@ -252,27 +267,44 @@ def run_transfer(
     def writer_failed() -> bool:
         return "error" in outcome
 
+    def send(bucket: Bucket) -> bool:
+        """Pack and start sending this worker's pieces of another writer's bucket; False if the
+        writer failed first."""
+        if (slot := staging.acquire(writer_failed)) is None:
+            return False
+        pieces = bucket.sends[rank]
+        staging.send(slot, pieces, [local_piece(piece) for piece in pieces], bucket.writer)
+        after_read()
+        sent(_wire_bytes(bucket, rank))
+        return True
+
     thread = None
     if write is not None:
         thread = threading.Thread(target=writer, name=f"rayexport-writer{rank}", daemon=True)
         thread.start()
+    sent_ahead = -1  # the bucket sent while the one before it was received
     try:
-        for bucket in buckets:
+        for position, bucket in enumerate(buckets):
             if bucket.writer == rank:
                 if (slot := staging.acquire(writer_failed)) is None:
                     break
-                pieces = staging.receive(slot, bucket, rank)
+                receiving = staging.post_receive(slot, bucket, rank)
+                # The next bucket, when it is another writer's, is packed and sent (in a second
+                # slot) while this one is on the wire, not after it: its writer, which is sending
+                # this one, is then not kept waiting for this worker's bytes of the next.
+                following = buckets[position + 1] if position + 1 < len(buckets) else None
+                if window > 1 and following is not None and following.writer != rank and _wire_bytes(following, rank):
+                    if not send(following):
+                        break
+                    sent_ahead = position + 1
+                pieces = staging.finish_receive(receiving)
                 pieces.update((piece, local_piece(piece)) for piece in bucket.sends[rank])
                 count("read", sum(piece.nbytes for piece in bucket.sends[rank]))
                 ready.put((bucket, slot, pieces))
-                del pieces
-            elif _wire_bytes(bucket, rank):
-                if (slot := staging.acquire(writer_failed)) is None:
+                del pieces, receiving
+            elif position != sent_ahead and _wire_bytes(bucket, rank):
+                if not send(bucket):
                     break
-                pieces = bucket.sends[rank]
-                staging.send(slot, pieces, [local_piece(piece) for piece in pieces], bucket.writer)
-                after_read()
-                sent(_wire_bytes(bucket, rank))
         while staging.sends and not writer_failed():
             staging.finish_send()
     finally:
