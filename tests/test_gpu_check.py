@@ -15,9 +15,14 @@ pytestmark = pytest.mark.slow  # a whole export through local processes, each im
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_gpu_check_exports_and_fully_verifies_without_ray_or_gpu():
+def test_gpu_check_exports_and_fully_verifies_without_ray_or_gpu(tmp_path):
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "CUDA_VISIBLE_DEVICES")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run, even where this machine has a GPU
+    # Ray is not installed on the GPU machine: here a `ray` that cannot be imported stands first
+    # on the path, so an import of Ray on the way fails as it would there
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text('raise ImportError("no Ray on the GPU machine")\n')
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     completed = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py")],
         capture_output=True, text=True, timeout=300, env=env,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,8 @@ def first_reader_node(checkpoint: Checkpoint, cluster: ClusterNodes, bundle: dic
 def cluster_nodes(options: ExportOptions) -> ClusterNodes | None:
     """The alive nodes of the cluster this export joins, when that is an existing cluster of
     more than one node (a Ray started here has one); None otherwise. Joins it now."""
+    if "ray" not in sys.modules and not os.environ.get("RAY_ADDRESS"):
+        return None  # a process that never imported Ray belongs to none (gpu_check's runs without Ray installed)
     import ray
 
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
