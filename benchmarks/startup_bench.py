@@ -56,9 +56,9 @@ print(json.dumps(runs))
 
 RAY_ALONE = """
 import ray
-from rayexport.orchestration.session import local_ray_settings
+from rayexport.orchestration.session import local_ray_settings, stop_started_ray
 ray.init(**local_ray_settings("WARNING"))
-ray.shutdown()
+stop_started_ray()
 """
 
 
