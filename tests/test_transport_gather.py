@@ -9,9 +9,9 @@ from support.plan_cases import piece_region, plan_tensors
 
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
-from rayexport.plan.schedule import ShardFile, assign_ranks, packed_offsets, plan_transfer
+from rayexport.plan.schedule import Bucket, ShardFile, assign_ranks, packed_offsets, plan_transfer
 from rayexport.plan.shards import ShardInfo
-from rayexport.transport.gather import run_transfer
+from rayexport.transport.gather import run_transfer, worker_steps
 
 CPU = torch.device("cpu")
 
@@ -188,3 +188,23 @@ def test_each_staging_slot_holds_the_largest_bucket_a_worker_sends_or_receives()
     assert staging_bytes(buckets, 0) == 112  # its send to 1 outweighs the 64 it receives
     assert staging_bytes(buckets, 1) == 112  # receives 112 in "b", sends 32 in "a"
     assert staging_bytes(buckets, 2) == 32
+
+
+def test_a_writer_sends_its_share_of_the_next_bucket_while_its_own_arrives():
+    """Two workers writing alternate buckets: each posts the receives of a bucket it writes and
+    sends its share of the next one meanwhile, instead of after (when the pair took turns).
+    Every share is still sent once, in the planned order, and a window of one slot has no room
+    for it."""
+
+    def bucket(index: int, writer: int):
+        piece = lambda rank: (Piece(rank, f"t{index}", (0,), (4,), "float32"),)
+        return Bucket((f"t{index}",), (piece(0), piece(1)), writer)
+
+    buckets = tuple(bucket(index, index % 2) for index in range(4))
+    names = lambda steps: [(own.tensors[0], ahead.tensors[0] if ahead else None) for own, ahead in steps]
+    assert names(worker_steps(buckets, 0)) == [("t0", "t1"), ("t2", "t3")]
+    assert names(worker_steps(buckets, 1)) == [("t0", None), ("t1", "t2"), ("t3", None)]
+    assert names(worker_steps(buckets, 1, window=1)) == [("t0", None), ("t1", None), ("t2", None), ("t3", None)]
+    for rank in (0, 1):  # each bucket this worker sends to, once and in order
+        sends = [b for own, ahead in worker_steps(buckets, rank) for b in (own, ahead) if b and b.writer != rank]
+        assert sends == [b for b in buckets if b.writer != rank]

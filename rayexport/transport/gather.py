@@ -232,40 +232,16 @@ def run_transfer(
     """This worker's part of the gather, stepping through the buckets in the planned order.
 
     It packs and sends its pieces of other writers' buckets (packing bucket k+1 while bucket k
-    is on the wire, and while its own bucket k is being received) and receives its own buckets, whose tensors go, in order, to `write`
-    running in a thread, so receiving bucket k+1 overlaps writing bucket k. At most `window`
+    is on the wire, or while its own bucket k arrives: `worker_steps`) and receives its own
+    buckets, whose tensors go, in order, to `write` running in a thread, so receiving bucket
+    k+1 overlaps writing bucket k. At most `window`
     buckets are held at once (see `Staging`). `after_read` runs once a bucket's source bytes
     have been packed or written (to give back mapped pages), `sent` with the bytes of each
     bucket this worker has sent, `count` with those of each pass. Returns what `write` returns
     (None when this worker writes nothing)."""
-    ready: queue.Queue = queue.Queue()
     staging = Staging(device, staging_bytes(buckets, rank), window, count)
-    outcome: dict[str, Any] = {}
-    holding: list[_Slot] = []  # the slot of the bucket the writer is on
-
-    def outputs() -> Iterator[tuple[str, list[torch.Tensor]]]:
-        while (item := ready.get()) is not None:
-            bucket, slot, pieces = item
-            holding.append(slot)
-            held = {id(tensor) for tensor in pieces.values()}
-            for name in bucket.tensors:
-                chunks = output_chunks(plans[name], pieces)
-                count("copied", sum(chunk.nbytes for chunk in chunks if id(chunk) not in held))  # assembled
-                yield name, chunks
-            del item, pieces
-            staging.release(holding.pop())
-            after_read()
-
-    def writer() -> None:
-        try:
-            outcome["result"] = write(outputs())
-        except BaseException as error:  # handed to the main thread, which raises it
-            outcome["error"] = error
-        if holding:  # the writer is done with the last bucket it took
-            staging.release(holding.pop())
-
-    def writer_failed() -> bool:
-        return "error" in outcome
+    writing = _WriterThread(write, plans, staging, after_read, count, rank) if write is not None else None
+    writer_failed = writing.failed if writing is not None else lambda: False
 
     def send(bucket: Bucket) -> bool:
         """Pack and start sending this worker's pieces of another writer's bucket; False if the
@@ -278,42 +254,101 @@ def run_transfer(
         sent(_wire_bytes(bucket, rank))
         return True
 
-    thread = None
-    if write is not None:
-        thread = threading.Thread(target=writer, name=f"rayexport-writer{rank}", daemon=True)
-        thread.start()
-    sent_ahead = -1  # the bucket sent while the one before it was received
     try:
-        for position, bucket in enumerate(buckets):
-            if bucket.writer == rank:
-                if (slot := staging.acquire(writer_failed)) is None:
-                    break
-                receiving = staging.post_receive(slot, bucket, rank)
-                # The next bucket, when it is another writer's, is packed and sent (in a second
-                # slot) while this one is on the wire, not after it: its writer, which is sending
-                # this one, is then not kept waiting for this worker's bytes of the next.
-                following = buckets[position + 1] if position + 1 < len(buckets) else None
-                if window > 1 and following is not None and following.writer != rank and _wire_bytes(following, rank):
-                    if not send(following):
-                        break
-                    sent_ahead = position + 1
-                pieces = staging.finish_receive(receiving)
-                pieces.update((piece, local_piece(piece)) for piece in bucket.sends[rank])
-                count("read", sum(piece.nbytes for piece in bucket.sends[rank]))
-                ready.put((bucket, slot, pieces))
-                del pieces, receiving
-            elif position != sent_ahead and _wire_bytes(bucket, rank):
+        for bucket, ahead in worker_steps(buckets, rank, window):
+            if bucket.writer != rank:
                 if not send(bucket):
                     break
+                continue
+            if (slot := staging.acquire(writer_failed)) is None:
+                break
+            receiving = staging.post_receive(slot, bucket, rank)
+            if ahead is not None and not send(ahead):
+                break
+            pieces = staging.finish_receive(receiving)
+            pieces.update((piece, local_piece(piece)) for piece in bucket.sends[rank])
+            count("read", sum(piece.nbytes for piece in bucket.sends[rank]))
+            writing.ready.put((bucket, slot, pieces))
+            del pieces, receiving
         while staging.sends and not writer_failed():
             staging.finish_send()
     finally:
-        ready.put(None)
-        if thread is not None:
-            thread.join()
-    if writer_failed():
-        raise outcome["error"]
-    return outcome.get("result")
+        if writing is not None:
+            writing.close()
+    return writing.result() if writing is not None else None
+
+
+class _WriterThread:
+    """The writer's thread: the tensors of each received bucket (`ready`, in order, None at the
+    end) go to `write`, each bucket's slot back to the staging once written. A failure is kept
+    for the main thread, which stops at its next step (`failed`) and raises it (`result`)."""
+
+    def __init__(
+        self, write: Callable[[Iterator[tuple[str, list[torch.Tensor]]]], T], plans: dict[str, TensorPlan],
+        staging: Staging, after_read: Callable[[], None], count: Count, rank: int,
+    ) -> None:
+        self.ready: queue.Queue = queue.Queue()
+        self.write, self.plans, self.staging, self.after_read, self.count = write, plans, staging, after_read, count
+        self.outcome: dict[str, Any] = {}
+        self.holding: list[_Slot] = []  # the slot of the bucket the writer is on
+        self.thread = threading.Thread(target=self._run, name=f"rayexport-writer{rank}", daemon=True)
+        self.thread.start()
+
+    def _outputs(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        while (item := self.ready.get()) is not None:
+            bucket, slot, pieces = item
+            self.holding.append(slot)
+            held = {id(tensor) for tensor in pieces.values()}
+            for name in bucket.tensors:
+                chunks = output_chunks(self.plans[name], pieces)
+                self.count("copied", sum(chunk.nbytes for chunk in chunks if id(chunk) not in held))  # assembled
+                yield name, chunks
+            del item, pieces
+            self.staging.release(self.holding.pop())
+            self.after_read()
+
+    def _run(self) -> None:
+        try:
+            self.outcome["result"] = self.write(self._outputs())
+        except BaseException as error:  # handed to the main thread, which raises it
+            self.outcome["error"] = error
+        if self.holding:  # the writer is done with the last bucket it took
+            self.staging.release(self.holding.pop())
+
+    def failed(self) -> bool:
+        return "error" in self.outcome
+
+    def close(self) -> None:
+        """No more buckets: wait for the thread to write what it has."""
+        self.ready.put(None)
+        self.thread.join()
+
+    def result(self) -> Any:
+        """What `write` returned, or its error raised here."""
+        if self.failed():
+            raise self.outcome["error"]
+        return self.outcome.get("result")
+
+
+def worker_steps(
+    buckets: tuple[Bucket, ...], rank: int, window: int = WINDOW,
+) -> Iterator[tuple[Bucket, Bucket | None]]:
+    """What `rank` does, bucket by bucket in the planned order: each bucket it writes (receives),
+    with the next bucket when that is another writer's and `rank` sends to it (sent while this
+    one arrives, in a second slot of the window: its writer, which is sending this one, is then
+    not kept waiting for `rank`'s bytes of the next); and each other bucket it sends to, not
+    sent ahead, as (bucket, None)."""
+    sent_ahead = -1
+    for position, bucket in enumerate(buckets):
+        if bucket.writer == rank:
+            following = buckets[position + 1] if position + 1 < len(buckets) else None
+            if window > 1 and following is not None and following.writer != rank and _wire_bytes(following, rank):
+                sent_ahead = position + 1
+                yield bucket, following
+            else:
+                yield bucket, None
+        elif position != sent_ahead and _wire_bytes(bucket, rank):
+            yield bucket, None
 
 
 def sent_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
