@@ -1,7 +1,8 @@
 """A worker's share of a DCP checkpoint in one local spool file: tensors (or chunks of them)
 read by `torch.distributed.checkpoint.load` without a process group, each chunk copied straight
 into its place in the memory-mapped file, checked for NaN and Inf, and its pages given back, so
-that the worker holds about one chunk at a time while it reads."""
+that the worker holds about one chunk at a time while it reads. torch's storage readers are
+handed the `.metadata` that `dcp_metadata` unpickled from its allow-list (`storage_reader`)."""
 
 from __future__ import annotations
 

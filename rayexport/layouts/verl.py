@@ -14,7 +14,8 @@ import torch
 
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import (
-    HF_DIR, Advance, Checkpoint, Loaded, LoadStep, MappedTensors, SourceSettings, SourceTensors, marker_snapshot, rank_parts,
+    HF_DIR, Advance, Checkpoint, Loaded, LoadStep, MappedTensors, SourceSettings, SourceTensors, marker_snapshot,
+    rank_parts,
 )
 from rayexport.layouts.mapped import local_file
 from rayexport.plan.pieces import holders_from_ranks, needed_ranks
@@ -55,10 +56,11 @@ class VerlCheckpoint(Checkpoint):
         2, ... in the same step: FSDP needs every rank, and HSDP's ("ddp", "fsdp") mesh puts
         its first replica on the lowest ranks (a rank that turns out not to be needed, in a
         mesh of another order, is left out)."""
+        lowest = list(range(min(num_workers, self.world_size)))
         if file_readers is None:
-            first = {rank: rank for rank in range(min(num_workers, self.world_size))}
+            first = {rank: rank for rank in lowest}  # rank r on worker r, not in blocks
         else:
-            first = {rank: file_readers[self.rank_files[rank]] for rank in range(min(num_workers, self.world_size))}
+            first = self._readers(lowest, num_workers, file_readers)
         rank_infos = load(rank_parts(first))
         ranks = needed_ranks(rank_infos[0], self.world_size)
         rank_infos = {rank: infos for rank, infos in rank_infos.items() if rank in ranks}

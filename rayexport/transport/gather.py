@@ -169,7 +169,7 @@ class Staging:
             self._block_host(torch.cuda.current_stream(self.device))
         self.release(slot)
 
-    def post_receive(self, slot: _Slot, bucket: Bucket, rank: int) -> "_Receiving":
+    def post_receive(self, slot: _Slot, bucket: Bucket, rank: int) -> _Receiving:
         """Start receiving every other worker's pieces of `bucket` into the slot, concurrently;
         `finish_receive` waits for them."""
         requests, placed, position = [], [], 0
@@ -183,7 +183,7 @@ class Staging:
             position += size
         return _Receiving(slot, requests, placed, position)
 
-    def finish_receive(self, receiving: "_Receiving") -> dict[Piece, torch.Tensor]:
+    def finish_receive(self, receiving: _Receiving) -> dict[Piece, torch.Tensor]:
         """Wait for a posted receive; returns views of the pieces in the slot's host buffer."""
         for request in receiving.requests:
             request.wait()
@@ -234,11 +234,10 @@ def run_transfer(
     It packs and sends its pieces of other writers' buckets (packing bucket k+1 while bucket k
     is on the wire, or while its own bucket k arrives: `worker_steps`) and receives its own
     buckets, whose tensors go, in order, to `write` running in a thread, so receiving bucket
-    k+1 overlaps writing bucket k. At most `window`
-    buckets are held at once (see `Staging`). `after_read` runs once a bucket's source bytes
-    have been packed or written (to give back mapped pages), `sent` with the bytes of each
-    bucket this worker has sent, `count` with those of each pass. Returns what `write` returns
-    (None when this worker writes nothing)."""
+    k+1 overlaps writing bucket k. At most `window` buckets are held at once (see `Staging`).
+    `after_read` runs once a bucket's source bytes have been packed or written (to give back
+    mapped pages), `sent` with the bytes of each bucket this worker has sent, `count` with
+    those of each pass. Returns what `write` returns (None when this worker writes nothing)."""
     staging = Staging(device, staging_bytes(buckets, rank), window, count)
     writing = _WriterThread(write, plans, staging, after_read, count, rank) if write is not None else None
     writer_failed = writing.failed if writing is not None else lambda: False
