@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import uuid
 from concurrent.futures import Future
@@ -25,6 +27,16 @@ RAY_HEAD = pytest.StashKey()
 SLOW_FIXTURES = frozenset({
     "ray_address", "s3_endpoint", "verl_checkpoints", "hf_sharded_checkpoints", "megatron_checkpoints", "deepspeed_checkpoints",
 })
+
+
+def pytest_configure(config):
+    """The session saves model descriptions (`rayexport.model.saved`) in a folder of its own,
+    removed at its end: never the user's cache, and none from an earlier session."""
+    os.environ["RAYEXPORT_CACHE"] = tempfile.mkdtemp(prefix="rayexport-tests-cache-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ.pop("RAYEXPORT_CACHE", ""), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -157,6 +157,7 @@ def test_a_folder_described_before_is_described_again_from_memory_until_a_file_c
     write_hf_folder(tiny_config("qwen2-tied"), str(folder))
     builds = []
     monkeypatch.setattr(model, "_DESCRIBED", {})  # what earlier tests in this process described
+    monkeypatch.setenv("RAYEXPORT_CACHE", "")  # nor what they saved (test_model_saved.py)
     monkeypatch.setattr(model, "build_meta_model", lambda *args: builds.append(args) or build_meta_model(*args))
     first = model.describe_model(Store(str(folder)), None, False)
     again = model.describe_model(Store(str(folder)), None, False)

@@ -83,9 +83,10 @@ print(json.dumps({"transformers": "transformers" in sys.modules, "expected": sor
 """
 
 
-def test_a_pool_keeps_the_model_description_for_exports_from_other_processes(ray_address, tmp_path):
+def test_a_pool_keeps_the_model_description_for_exports_from_other_processes(ray_address, tmp_path, monkeypatch):
     """A command line run with --pool is a process of its own: the model the previous run
-    described is described again from the pool, without building it or importing transformers."""
+    described is described again from the pool, without building it or importing transformers
+    (nor reading a description saved in a file: `rayexport.model.saved`, off here)."""
     import json
     import subprocess
     import sys
@@ -97,6 +98,7 @@ def test_a_pool_keeps_the_model_description_for_exports_from_other_processes(ray
 
     folder = str(tmp_path / "hf")
     write_hf_folder(tiny_config("qwen2-tied"), folder)
+    monkeypatch.setenv("RAYEXPORT_CACHE", "")
     try:
         first = describe_model(Store(folder), None, False, described=PoolDescriptions("described"))
         again = subprocess.run([sys.executable, "-c", DESCRIBE_IN_ANOTHER_PROCESS, folder, "described"],

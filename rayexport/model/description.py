@@ -17,6 +17,7 @@ from rayexport.common.dtypes import dtype_name, dtype_of
 from rayexport.common.errors import ExportError, one_line
 from rayexport.model.conversion import model_formats
 from rayexport.model.remote_code import auto_map_files, bundle_model_code
+from rayexport.model.saved import with_saved
 from rayexport.plan.formats import ModelFormats
 from rayexport.plan.lora import ADAPTER_CONFIG, adapter_config, fan_in_fan_out_weights
 from rayexport.plan.naming import TensorPlanning
@@ -230,8 +231,9 @@ def describe_model(
     trainer's own files there (`trainers`). Remote code
     the folder lacks comes from the base model folder, else from the model's class module.
     A folder whose files are byte for byte those of one described before is described again
-    from `described` (default: this process's descriptions)."""
-    described = _DESCRIBED if described is None else described
+    from `described` (default: this process's descriptions), else from those saved by earlier
+    processes (`rayexport.model.saved`)."""
+    described = with_saved(_DESCRIBED if described is None else described)
     with tempfile.TemporaryDirectory(prefix="rayexport-hf-") as local:
         names = fetch_hf_folder(hf_store, local, trainers)
         with open(os.path.join(local, "config.json"), "rb") as handle:
