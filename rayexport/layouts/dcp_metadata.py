@@ -9,8 +9,6 @@ import pickle
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from rayexport.common.dtypes import dtype_name
 from rayexport.common.errors import ExportError, one_line
 from rayexport.storage.store import Store
@@ -75,6 +73,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             name = _PURE_PATHS[name]
         if name in _METADATA_GLOBALS.get(module, ()):
             return super().find_class(module, name)
+        import torch
+
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise _RefusedGlobal(f"{module}.{name}")

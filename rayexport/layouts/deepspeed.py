@@ -19,9 +19,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
@@ -32,6 +30,9 @@ from rayexport.plan.schedule import assign_ranks
 from rayexport.plan.shards import ShardInfo
 from rayexport.plan.zero import frozen_runs, partitioned_runs, zero3_runs
 from rayexport.storage.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -378,6 +379,9 @@ def _read_rank(store: Store, rank: int, sources: tuple[Source, ...], spool_dir: 
 
 def _map(path: str, offset: int, count: int, dtype: str) -> torch.Tensor:
     """`count` elements of `dtype` at byte `offset` of the file `path`, memory-mapped copy-on-write."""
+    import numpy as np
+    import torch
+
     torch_dtype = dtype_of(dtype)
     if count == 0:
         return torch.empty(0, dtype=torch_dtype)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
 from rayexport.common.dtypes import TORCH_NAME_OF_CODE, nbytes
@@ -16,6 +15,9 @@ from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, Source
 from rayexport.plan.pieces import BASE_MODEL_RANK
 from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 
 def weight_files(store: Store) -> list[str]:

@@ -8,9 +8,7 @@ import pickle
 import re
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import (
@@ -22,6 +20,9 @@ from rayexport.plan.pieces import holders_from_ranks, needed_ranks
 from rayexport.plan.schedule import assign_ranks
 from rayexport.plan.shards import ShardInfo, describe_tensor, local_tensor
 from rayexport.storage.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -17,7 +17,7 @@ from rayexport.common.dtypes import dtype_name, dtype_of
 from rayexport.common.errors import ExportError, one_line
 from rayexport.model.conversion import model_formats
 from rayexport.model.remote_code import auto_map_files, bundle_model_code
-from rayexport.model.saved import with_saved
+from rayexport.model.saved import Described, RecentDescriptions, with_saved
 from rayexport.plan.formats import ModelFormats
 from rayexport.plan.lora import ADAPTER_CONFIG, adapter_config, fan_in_fan_out_weights
 from rayexport.plan.naming import TensorPlanning
@@ -193,29 +193,6 @@ class ModelDescription:
     fan_in_fan_out: frozenset[str]  # weights stored transposed (Conv1D), for LoRA merges
     # by the dtype weights are written in, the tensors the model's class loads in float32 anyway
     float32_names: dict[str, frozenset[str]] = field(default_factory=dict)
-
-
-class Described(Protocol):
-    """Descriptions derived before, by `_folder_key`: an export of a later checkpoint of the same
-    model skips building the meta model and tracing its conversion again (and importing
-    transformers' model code, the most of its seconds)."""
-
-    def get(self, key: str) -> "ModelDescription | None": ...
-
-    def __setitem__(self, key: str, description: "ModelDescription") -> None: ...
-
-
-class RecentDescriptions(dict):
-    """The last `limit` descriptions kept, the oldest dropped first."""
-
-    def __init__(self, limit: int = 8) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def __setitem__(self, key: str, description: "ModelDescription") -> None:
-        if key not in self and len(self) >= self.limit:
-            self.pop(next(iter(self)))
-        super().__setitem__(key, description)
 
 
 # Those of this process (a watcher's exports, `export_remote`'s in a reused Ray worker).

@@ -4,9 +4,10 @@ model's class module when the checkpoint does not carry them (BRIEF 1.2 is fixed
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def auto_map_files(raw_config: dict[str, Any]) -> list[str]:

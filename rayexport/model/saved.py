@@ -1,9 +1,12 @@
-"""Model descriptions saved for later processes: each command line export of a later checkpoint of
-a model (`ray job submit` after each save, a cron'd `--watch --once`) reads the description an
-earlier one derived, instead of importing transformers' model code and building the meta model
-again, which is most of the driver's start.
+"""Model descriptions kept between exports: an export of a later checkpoint of a model describes
+it from what an earlier one derived, without building the meta model and tracing its conversion
+again, or importing transformers' model code, the most of those seconds. A process keeps its
+recent ones (a watcher's exports, `export_remote`'s in a reused Ray worker), a pool's keeper
+those of its exports (`rayexport.orchestration.pool`), and files keep them for later processes:
+each command line export of a later checkpoint (`ray job submit` after each save, a cron'd
+`--watch --once`), whose driver then leaves the CPUs to its starting workers.
 
-They are saved under RAYEXPORT_CACHE (default `$XDG_CACHE_HOME/rayexport`, else
+The files are saved under RAYEXPORT_CACHE (default `$XDG_CACHE_HOME/rayexport`, else
 `~/.cache/rayexport`), in `descriptions/`, a file per description; RAYEXPORT_CACHE set empty saves
 and reads none. A file's name covers what its description is derived from (every byte of the
 model's folder, whether remote code runs, the transformers that built it) and this package's own
@@ -19,7 +22,7 @@ import hashlib
 import os
 import pickle
 import tempfile
-from typing import Any
+from typing import Any, Protocol
 
 CACHE_VARIABLE = "RAYEXPORT_CACHE"
 SAVED_LIMIT = 16
@@ -47,6 +50,28 @@ def source_digest() -> str:
                 with open(path, "rb") as handle:
                     digest.update(os.path.relpath(path, package).encode() + b"\0" + handle.read())
     return digest.hexdigest()
+
+
+class Described(Protocol):
+    """Descriptions derived before (`description.ModelDescription`), by what each is derived
+    from (`description._folder_key`)."""
+
+    def get(self, key: str) -> Any: ...
+
+    def __setitem__(self, key: str, description: Any) -> None: ...
+
+
+class RecentDescriptions(dict):
+    """The last `limit` descriptions kept, the oldest dropped first."""
+
+    def __init__(self, limit: int = 8) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: str, description: Any) -> None:
+        if key not in self and len(self) >= self.limit:
+            self.pop(next(iter(self)))
+        super().__setitem__(key, description)
 
 
 class SavedDescriptions:
@@ -88,10 +113,10 @@ class SavedDescriptions:
 
 
 class Layered:
-    """Descriptions looked up in `layers` (each a `description.Described`) in order; one found
+    """Descriptions looked up in `layers` in order; one found
     in a later layer is kept in the earlier ones, and one derived is kept in all."""
 
-    def __init__(self, *layers: Any) -> None:
+    def __init__(self, *layers: Described) -> None:
         self.layers = layers
 
     def get(self, key: str) -> Any:
@@ -108,7 +133,7 @@ class Layered:
             layer[key] = description
 
 
-def with_saved(described: Any) -> Any:
+def with_saved(described: Described) -> Described:
     """`described`, then the descriptions saved under RAYEXPORT_CACHE (unless it is set empty)."""
     folder = cache_folder()
     if folder is None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from rayexport.common.errors import ExportError
+
+if TYPE_CHECKING:
+    import torch
 
 PEFT_PREFIX = "base_model.model."
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -179,6 +180,8 @@ def _lora_delta(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     sum per step, so every element comes out the same whatever block holds it and on any CPU
     (a BLAS matmul's rounding depends on the shapes, the threads and the CPU's kernels, and a
     fused op such as addcmul_ may round differently in its vectorised loop and its tail)."""
+    import torch
+
     b, a = b.float(), a.float()
     delta = torch.zeros(b.shape[0], a.shape[1], dtype=torch.float32)
     term = torch.empty_like(delta)

@@ -4,11 +4,13 @@ shape, dtype and DTensor placement (`ShardInfo`), read off the tensor without a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from rayexport.common.dtypes import dtype_name
 from rayexport.common.errors import ExportError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
-
-import torch
+from typing import TYPE_CHECKING, Iterable
 
 from rayexport.common.errors import ExportError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
