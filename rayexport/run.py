@@ -6,11 +6,17 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING, Callable
 
 from rayexport.common.errors import ExportError, print_error
 from rayexport.common.process import exit_without_teardown
 from rayexport.orchestration.options import ExportOptions, add_option_arguments, options_from_arguments
 from rayexport.orchestration.session import command_line_session, starts_own_ray
+# no torch: imported before the session's thread imports the rest of the export, which needs it
+from rayexport.orchestration.start import begin_export
+
+if TYPE_CHECKING:
+    from rayexport.orchestration.report import ExportReport
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,15 +67,14 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
         export_options = ExportOptions(src=source or "", dst=destination or "", **options)
         if not args.demo:
             refuse_missing_local_source(source)
-        with command_line_session(options["log_level"], seconds, whole_process):
+        with command_line_session(options["log_level"], seconds, whole_process) as imported:
             if args.demo:
+                imported()
                 from rayexport.demo import run_demo
 
                 report = run_demo(export_options, seconds=seconds)
             else:
-                from rayexport.orchestration.job import run_export
-
-                report = run_export(export_options, seconds=seconds)
+                report = export_started_first(export_options, seconds, imported)
     except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
         return print_error(error, args.debug)
     print(report.summary())
@@ -79,6 +84,20 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
         with open(args.report, "w") as handle:
             handle.write(report.to_json())
     return 0
+
+
+def export_started_first(options: ExportOptions, seconds: dict[str, float], imported: Callable[[], None]) -> ExportReport:
+    """Plan the export and start its workers, then wait for this process's own imports (torch,
+    the export's later steps: `imported`), which load meanwhile, and run the rest."""
+    started = begin_export(options, seconds=seconds)
+    try:
+        imported()
+        from rayexport.orchestration.job import run_export
+    except BaseException:
+        if started.group is not None:
+            started.group.shutdown(graceful=False)
+        raise
+    return run_export(options, seconds=seconds, started=started)
 
 
 def refuse_missing_local_source(source: str) -> None:

@@ -179,9 +179,9 @@ def s3_synthetic(tmp_path_factory, s3_endpoint):
 def stranger():
     """A process outside this session's Ray that looks like a worker by name, as another
     checkout's export or a benchmark on the same machine would."""
-    process = subprocess.Popen(["bash", "-c", 'exec -a "ray::ExportWorker" sleep 600'])
+    process = subprocess.Popen(["bash", "-c", 'exec -a "ray::ExportWorkerActor" sleep 600'])
     deadline = time.monotonic() + 10
-    while "ray::ExportWorker" not in _cmdline(process.pid):
+    while "ray::ExportWorkerActor" not in _cmdline(process.pid):
         assert time.monotonic() < deadline, "the stranger did not start"
         time.sleep(0.05)
     yield process

@@ -52,10 +52,10 @@ def test_the_imports_phase_counts_the_process_only_where_it_is_the_command(ray_a
 
     age = time.time() - psutil.Process().create_time()
     called, command = {}, {}
-    with command_line_session("WARNING", called):
-        pass
-    with command_line_session("WARNING", command, whole_process=True):
-        pass
+    with command_line_session("WARNING", called) as imported:
+        imported()
+    with command_line_session("WARNING", command, whole_process=True) as imported:
+        imported()
     assert command["imports"] + 0.001 >= age > called["imports"]  # the seconds are rounded to the millisecond
     assert "ray_stop" not in called and "ray_stop" not in command  # joined, not started: left running
 

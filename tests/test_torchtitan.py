@@ -89,7 +89,7 @@ def export_workers_ever_started() -> set[str]:
     """The ids of every rayexport worker actor this session's Ray has had, ended ones included."""
     from ray._private import state
 
-    return {actor_id for actor_id, actor in state.actors().items() if actor["ActorClassName"] == "ExportWorker"}
+    return {actor_id for actor_id, actor in state.actors().items() if actor["ActorClassName"] == "ExportWorkerActor"}
 
 
 def test_a_config_of_another_model_is_refused_before_any_worker_starts(saved, tmp_path):

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import StateDictSplit
 
@@ -27,12 +27,15 @@ from rayexport.orchestration.pool import IdleGroup, get_keeper, group_shape
 from rayexport.orchestration.progress import WorkerProgress
 from rayexport.orchestration.session import ensure_ray
 from rayexport.orchestration.waits import all_succeed, get_all, step_limit
-from rayexport.orchestration.workers import ExportWorker, WorkerStats
+from rayexport.orchestration.worker_actor import ExportWorkerActor
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import TransferPlan
 from rayexport.storage.store import Store
 from rayexport.verification.expected import ExpectedExport
-from rayexport.verification.files import FileCheck
+
+if TYPE_CHECKING:
+    from rayexport.orchestration.workers import WorkerStats
+    from rayexport.verification.files import FileCheck
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +192,7 @@ class WorkerGroup:
 
         self._place()
         self.worker_node_ids = self._bundle_nodes()
-        actor_class = ray.remote(concurrency_groups={CHECKS_GROUP: 1, PROGRESS_GROUP: 1})(ExportWorker)
+        actor_class = ray.remote(concurrency_groups={CHECKS_GROUP: 1, PROGRESS_GROUP: 1})(ExportWorkerActor)
         check_cpus = self.options.num_cpus_per_worker * self._workers_beside_first()
         for index in range(self.size):
             self.actors.append(

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from rayexport.common.digests import FAST
@@ -22,20 +21,20 @@ from rayexport.common.levels import resolved, runs_checks
 from rayexport.common.memory import peak_rss_bytes
 from rayexport.layouts.base import Loaded
 from rayexport.layouts.hf import base_model_folder
-from rayexport.model.description import ModelDescription, describe_model, generated_files, hf_folder
-from rayexport.orchestration.export_plan import ExportPlan, plan_export
+from rayexport.model.description import ModelDescription, generated_files
+from rayexport.orchestration.export_plan import ExportPlan
 from rayexport.orchestration.group import Transferred, WorkerGroup
 from rayexport.orchestration.options import ExportOptions
-from rayexport.orchestration.pool import PoolDescriptions
 from rayexport.orchestration.progress import shown_progress
 from rayexport.orchestration.references import (
     SourceScan, check_finite, scan_ahead, scanned_ahead, scanned_in_transfer, transfer_scan,
 )
 from rayexport.orchestration.report import ExportReport
+from rayexport.orchestration.start import Started, begin_export
 from rayexport.orchestration.workers import WorkerStats
 from rayexport.plan.formats import ModelFormats
 from rayexport.plan.lora import ADAPTER_WEIGHTS
-from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, match_names, plan_holdings
+from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, plan_holdings
 from rayexport.plan.schedule import ShardFile, TransferPlan, plan_shard_files, plan_transfer, safetensors_order
 from rayexport.plan.ties import check_tied_values
 from rayexport.storage.store import Store
@@ -77,22 +76,18 @@ def export(src: str, dst: str, **options: Any) -> ExportReport:
 
 def run_export(
     options: ExportOptions, group_type: type[WorkerGroup] | None = None, seconds: dict[str, float] | None = None,
+    started: Started | None = None,
 ) -> ExportReport:
     """The whole export: plan, gather and write with Ray actors, verify, commit the manifest.
 
     `group_type` runs the workers and the verification some other way than on Ray (a
     `WorkerGroup` subclass; benchmarks/gpu_check.py uses local processes). `seconds` holds
     what was timed before (the command line's imports and Ray start); the report's stages
-    continue it."""
-    group_type = group_type or WorkerGroup
-    plan = plan_export(options, seconds)
-    if plan.existing is not None and not options.force:
+    continue it. `started`: what `begin_export` began already (the command line's start)."""
+    started = started or begin_export(options, group_type, seconds)
+    plan, describing, group = started.plan, started.describing, started.group
+    if group is None:
         return _already_committed(plan)
-    # The rest of planning runs in a thread while Ray, the actors and their process group
-    # start here (Ray's signal handlers need the main thread).
-    describing = _in_background(_prepare, plan)
-    with plan.stage("start_workers"):
-        group = _start_group(group_type, plan, describing)
     try:
         with shown_progress(group.progress_counts) as plan.progress:
             with plan.stage("describe_model"):  # what is left of it once the workers are up
@@ -261,65 +256,6 @@ def _report(
         warm_start=group.reused, reload_process=reload_process, files=written.files, verification=verification, skipped=list(plan.checkpoint.skipped),
         export_node=plan.cluster.labels[plan.export_node] if plan.export_node else None,
     )
-
-
-def _prepare(plan: ExportPlan) -> ModelDescription:
-    """Ready the destination (uncommit an export being replaced, abort uploads a killed run
-    left, probe that it takes writes) and describe the model the checkpoint holds."""
-    destination, options = plan.destination, plan.options
-    if plan.existing is not None:
-        destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
-    for key in destination.abort_uploads():
-        log.warning("aborted an unfinished upload left by an earlier run: %s", key)
-    hf_config = Store(options.hf_config, destination.options) if options.hf_config else None
-    folder = hf_folder(plan.checkpoint.hf_folder, hf_config, plan.checkpoint.nearby_hf_folder, plan.base_model)
-    trainers = plan.checkpoint.trainer_files if folder is plan.checkpoint.hf_folder else frozenset()
-    described = PoolDescriptions(options.pool) if options.pool else None
-    model = describe_model(folder, plan.base_model, options.trust_remote_code, trainers, described)
-    checkpoint = plan.checkpoint
-    if checkpoint.producer_namings is not None:
-        producers = checkpoint.producer_namings(model.config, model.formats.disk)
-        model = replace(model, formats=model.formats.with_producers(producers))
-    keys = checkpoint.known_keys()
-    if keys is not None and plan.base_model is None:
-        match_names(keys, model.formats)  # what the checkpoint's names lack, before any worker starts
-    destination.write_bytes(".rayexport-write-probe", b"")
-    destination.delete(".rayexport-write-probe")
-    return model
-
-
-def _in_background(function, *args) -> Future:
-    """Run `function(*args)` in a thread of its own; the future gives its result or error."""
-    background = ThreadPoolExecutor(1, thread_name_prefix="rayexport-plan")
-    future = background.submit(function, *args)
-    background.shutdown(wait=False)
-    return future
-
-
-def _start_group(group_type: type[WorkerGroup], plan: ExportPlan, describing: Future) -> WorkerGroup:
-    """Size and start the worker group; on failure, remove whatever of it had started (and
-    report the start's error, not the planning thread's)."""
-    try:
-        if "ray_start" in plan.seconds:  # the command line started it, or joined, already
-            group_type.connect(plan.options)
-        else:
-            with plan.stage("ray_start"):
-                group_type.connect(plan.options)
-        group = group_type.for_export(plan.options, plan.checkpoint.world_size, plan.job_deadline)
-        if plan.cluster is not None:
-            group.place_on_nodes(plan.checkpoint, plan.cluster, plan.export_node)
-        if plan.checkpoint.known_keys() is not None:
-            describing.result()  # its names are checked against the model's before the workers start
-        try:
-            group.start()
-        except BaseException:
-            group.shutdown(graceful=False)
-            raise
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            describing.result()
-        raise
-    return group
 
 
 def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, frozenset[str]]:

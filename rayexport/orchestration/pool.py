@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rayexport.model.description import ModelDescription, RecentDescriptions
+from rayexport.model.saved import RecentDescriptions
+
+if TYPE_CHECKING:
+    from rayexport.model.description import ModelDescription
 
 NAMESPACE = "rayexport"
 

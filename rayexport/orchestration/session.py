@@ -12,7 +12,7 @@ import importlib
 import os
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rayexport.orchestration.report import timed_stage
 
@@ -67,12 +67,14 @@ def ensure_ray(log_level: str) -> str | None:
 
 
 @contextlib.contextmanager
-def command_line_session(log_level: str, seconds: dict[str, float], whole_process: bool = False) -> Iterator[None]:
+def command_line_session(log_level: str, seconds: dict[str, float], whole_process: bool = False) -> Iterator[Callable[[], None]]:
     """The command line's Ray: started (or joined) at once, while `rayexport.orchestration.job` and what it
     imports (torch, transformers) load in a thread; on leaving, stopped when started here, left
-    when joined here (a process that belonged to Ray already stays in it). Into
-    `seconds`: `imports` (any wait for the imports after Ray is up, and with `whole_process`,
-    the program itself, this process's start to here), `ray_start`, and on leaving `ray_stop`."""
+    when joined here (a process that belonged to Ray already stays in it). Yields `imported()`,
+    which waits for those imports: the caller may start the export's workers first
+    (`rayexport.orchestration.start` imports no torch). Into `seconds`:
+    `imports` (the wait in `imported()`, and with `whole_process`, the program itself, this
+    process's start to here), `ray_start`, and on leaving `ray_stop`."""
     import ray
 
     if whole_process:
@@ -83,10 +85,13 @@ def command_line_session(log_level: str, seconds: dict[str, float], whole_proces
     importing.start()  # an import that fails raises again, with its own message, where it is used
     with timed_stage(seconds, "ray_start"):
         belongs = ensure_ray(log_level)
-    with timed_stage(seconds, "imports"):
-        importing.join()
+
+    def imported() -> None:
+        with timed_stage(seconds, "imports"):
+            importing.join()
+
     try:
-        yield
+        yield imported
     finally:
         if belongs == STARTED:
             with timed_stage(seconds, "ray_stop"):

@@ -123,7 +123,7 @@ class WorkerTransfer:
 
 
 class ExportWorker:
-    """One member of the export's process group (a Ray actor). `cpus`: the CPUs it reserved,
+    """One member of the export's process group (in a Ray actor, `ExportWorkerActor`). `cpus`: the CPUs it reserved,
     torch's threads in it (None: torch's default); `check_cpus`: those the export's workers
     hold on its node, which worker 0's consumer checks use once the export is written."""
 

@@ -156,7 +156,7 @@ def export_worker_processes(address: str | None = None) -> list:
     address = address or os.environ["RAY_ADDRESS"]
     connected = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
     assert connected == address, f"this process is joined to Ray at {connected}, not the session's {address}"
-    pids = {actor["Pid"] for actor in state.actors().values() if actor["ActorClassName"] == "ExportWorker" and actor["Pid"]}
+    pids = {actor["Pid"] for actor in state.actors().values() if actor["ActorClassName"] == "ExportWorkerActor" and actor["Pid"]}
     processes = []
     for pid in sorted(pids):
         try:
