@@ -12,7 +12,7 @@ from rayexport.common.errors import ExportError, print_error
 from rayexport.common.process import exit_without_teardown
 from rayexport.orchestration.options import ExportOptions, add_option_arguments, options_from_arguments
 from rayexport.orchestration.session import command_line_session, starts_own_ray
-# no torch: imported before the session's thread imports the rest of the export, which needs it
+# imported here, before the session's thread imports the rest of the export's modules
 from rayexport.orchestration.start import begin_export
 
 if TYPE_CHECKING:

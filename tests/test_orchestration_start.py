@@ -1,15 +1,11 @@
-"""rayexport.orchestration.start and worker_actor: a driver plans its export and starts its workers
-without importing torch (which its workers import in their own processes), and the actor
-answers each of ExportWorker's methods under its own name."""
+"""rayexport.orchestration.start: a driver plans its export and starts its workers without
+importing torch, which its workers import in their own processes."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import subprocess
 import sys
-
-from rayexport.orchestration.worker_actor import WORKER_METHODS, ExportWorkerActor
 
 # A driver that refuses torch while it joins the session's Ray and begins an export of a verl
 # checkpoint (the plan, the placement group, the actors and their process group), which the
@@ -54,26 +50,35 @@ def test_the_driver_starts_its_workers_and_they_load_without_it_importing_torch(
     assert ran.returncode == 0, ran.stderr[-3000:]
     seen = json.loads(ran.stdout.strip().splitlines()[-1])
     assert len(set(seen["workers"])) == 2 and seen["ranks"] == [0, 1, 2] and seen["driver_torch"] is False
-    assert "the driver imported torch" in seen["describing"]  # the description alone wanted it
+    assert "the driver imported" in seen["describing"]  # the description alone wanted them
 
 
-def test_the_actor_answers_every_public_method_of_the_worker_under_its_name():
-    from rayexport.orchestration.workers import ExportWorker
+# The command line, in a process that refuses torch and transformers from its start.
+COMMAND_LINE_WITHOUT_TORCH = """
+import runpy, sys
 
-    public = {name for name, member in inspect.getmembers(ExportWorker, inspect.isfunction) if not name.startswith("_")}
-    assert set(WORKER_METHODS) == public
-    for name in WORKER_METHODS:
-        assert getattr(ExportWorkerActor, name).__name__ == name
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"the driver imported {name}")
+
+sys.meta_path.insert(0, NoTorch())
+sys.argv = ["rayexport.run", *sys.argv[1:]]
+runpy.run_module("rayexport.run", run_name="__main__")
+"""
 
 
-def test_the_actor_calls_the_worker_it_holds():
-    class Recorder:
-        def __init__(self, *arguments):
-            self.arguments = arguments
-
-        def load(self, *arguments, **keywords):
-            return self.arguments, arguments, keywords
-
-    actor = ExportWorkerActor.__new__(ExportWorkerActor)
-    actor.worker = Recorder(0, 2)
-    assert actor.load("checkpoint", part="part") == ((0, 2), ("checkpoint",), {"part": "part"})
+def test_a_later_export_of_a_model_runs_its_driver_without_torch(checkpoints, ray_address, tmp_path, monkeypatch):
+    """Once a model is described (and saved), the command line's driver plans, starts, gathers,
+    checks and commits a later export of it with torch and transformers in its workers and the
+    reload's process alone: its CPU goes to them."""
+    monkeypatch.setenv("RAYEXPORT_CACHE", str(tmp_path / "cache"))
+    source = checkpoints["tied"].path
+    arguments = ["--src", source, "--verify", "quick", "--log-level", "WARNING"]
+    first = subprocess.run([sys.executable, "-m", "rayexport.run", *arguments, "--dst", str(tmp_path / "first")],
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    later = subprocess.run([sys.executable, "-c", COMMAND_LINE_WITHOUT_TORCH, *arguments, "--dst", str(tmp_path / "later")],
+                           capture_output=True, text=True, timeout=300)
+    assert later.returncode == 0, later.stderr[-3000:]
+    assert "verified (quick)" in later.stdout and (tmp_path / "later" / "export_manifest.json").exists()

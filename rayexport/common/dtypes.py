@@ -42,6 +42,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def is_floating(name: str) -> bool:
+    """Whether the dtype `name` is a floating-point one (by its safetensors code, else torch's)."""
+    code = SAFETENSORS_DTYPES.get(name)
+    if code is None:
+        return dtype_of(name).is_floating_point
+    return code.startswith(("F", "BF"))
+
+
 def itemsize(name: str) -> int:
     """Bytes per element of the dtype `name`: the bits in its safetensors code (BOOL: one byte),
     or torch's own answer for a dtype safetensors has no code for."""

@@ -9,13 +9,10 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from rayexport.common.dtypes import dtype_name, dtype_of
+from rayexport.common.dtypes import dtype_name, is_floating
 from rayexport.common.errors import ExportError, one_line
-from rayexport.model.conversion import model_formats
 from rayexport.model.remote_code import auto_map_files, bundle_model_code
 from rayexport.model.saved import Described, RecentDescriptions, with_saved
 from rayexport.plan.formats import ModelFormats
@@ -23,6 +20,9 @@ from rayexport.plan.lora import ADAPTER_CONFIG, adapter_config, fan_in_fan_out_w
 from rayexport.plan.naming import TensorPlanning
 from rayexport.plan.ties import find_tie_aliases
 from rayexport.storage.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.safetensors\.index\.json|\.bin\.index\.json)$")
 
@@ -116,6 +116,8 @@ def model_class(config) -> ModelClass:
 
 def build_meta_model(config, trust_remote_code: bool) -> torch.nn.Module:
     """The model on the meta device: every name, shape and tie, and no memory."""
+    import torch
+
     try:
         with torch.device("meta"):
             return model_class(config).build(config, trust_remote_code)
@@ -234,6 +236,8 @@ def describe_model(
             if not os.path.exists(os.path.join(local, name)):
                 raise ExportError(f"config.json's auto_map needs {name}, which is neither in '{hf_store.uri}' nor bundled")
         carried = _folder_files(local)
+    from rayexport.model.conversion import model_formats  # torch's dispatch machinery, for a model built here
+
     formats = model_formats(meta_model, expected_tensors(meta_model), find_tie_aliases(meta_model))
     description = ModelDescription(
         carried=carried,
@@ -335,7 +339,7 @@ def generated_files(config: dict, planning: TensorPlanning, untie: bool, base_mo
     """Files the export writes from what it learnt: config.json (and adapter_config.json)."""
     floating = sorted({
         plan.dtype for plan in planning.tensors
-        if dtype_of(plan.dtype).is_floating_point and plan.name not in planning.kept_float32
+        if is_floating(plan.dtype) and plan.name not in planning.kept_float32
     })
     config = exported_config(config, floating[0] if len(floating) == 1 else None, untie)
     files = {"config.json": _json_bytes(config)}

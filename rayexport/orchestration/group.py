@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from huggingface_hub import StateDictSplit
 
@@ -28,14 +28,12 @@ from rayexport.orchestration.progress import WorkerProgress
 from rayexport.orchestration.session import ensure_ray
 from rayexport.orchestration.waits import all_succeed, get_all, step_limit
 from rayexport.orchestration.worker_actor import ExportWorkerActor
+from rayexport.orchestration.worker_reports import WorkerStats
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import TransferPlan
 from rayexport.storage.store import Store
 from rayexport.verification.expected import ExpectedExport
-
-if TYPE_CHECKING:
-    from rayexport.orchestration.workers import WorkerStats
-    from rayexport.verification.files import FileCheck
+from rayexport.verification.files import FileCheck
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from rayexport.orchestration.references import (
 )
 from rayexport.orchestration.report import ExportReport
 from rayexport.orchestration.start import Started, begin_export
-from rayexport.orchestration.workers import WorkerStats
+from rayexport.orchestration.worker_reports import WorkerStats
 from rayexport.plan.formats import ModelFormats
 from rayexport.plan.lora import ADAPTER_WEIGHTS
 from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, plan_holdings

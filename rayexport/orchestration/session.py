@@ -69,10 +69,10 @@ def ensure_ray(log_level: str) -> str | None:
 @contextlib.contextmanager
 def command_line_session(log_level: str, seconds: dict[str, float], whole_process: bool = False) -> Iterator[Callable[[], None]]:
     """The command line's Ray: started (or joined) at once, while `rayexport.orchestration.job` and what it
-    imports (torch, transformers) load in a thread; on leaving, stopped when started here, left
+    imports load in a thread; on leaving, stopped when started here, left
     when joined here (a process that belonged to Ray already stays in it). Yields `imported()`,
     which waits for those imports: the caller may start the export's workers first
-    (`rayexport.orchestration.start` imports no torch). Into `seconds`:
+    (`rayexport.orchestration.start`). Into `seconds`:
     `imports` (the wait in `imported()`, and with `whole_process`, the program itself, this
     process's start to here), `ray_start`, and on leaving `ray_stop`."""
     import ray

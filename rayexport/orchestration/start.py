@@ -1,7 +1,9 @@
 """The start of an export: plan it, then, while the rest of the planning (the destination made
 ready, the model described) runs in a thread, start the worker group. Nothing here imports
-torch: a command line joined to a running cluster starts its workers while its own imports of
-torch and the export's later steps (`rayexport.orchestration.job`) load in another thread."""
+torch, nor does the driver's part of the rest (`rayexport.orchestration.job`) unless it handles
+tensors itself (a model described afresh, a LoRA merge's reference digests): a command line
+joined to a running cluster asks for its workers at once and leaves the CPUs to them and to the
+reload's process, which import it."""
 
 from __future__ import annotations
 

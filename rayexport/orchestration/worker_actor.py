@@ -1,7 +1,6 @@
 """The Ray actor an export's worker runs in, started by a driver that has not imported what the
 worker runs: `ExportWorker`'s module (torch, the readers, the gather) is imported in the actor's
-own process. A driver joined to a running cluster so asks for its workers before its own import
-of torch is done, and the two overlap (`rayexport.orchestration.start`).
+own process, and the driver need not import torch at all (`rayexport.orchestration.start`).
 
 `ExportWorkerActor` has each public method of `ExportWorker`, named as there (Ray's task names
 and process titles say which one runs), each calling the worker it holds."""

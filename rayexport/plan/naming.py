@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from rayexport.common.dtypes import SAFETENSORS_DTYPES, dtype_of, nbytes
+from rayexport.common.dtypes import SAFETENSORS_DTYPES, is_floating, nbytes
 from rayexport.common.errors import ExportError
 from rayexport.plan.formats import IN_MEMORY, ModelFormats, choose_naming, convert_plans
 from rayexport.plan.keys import normalize_key
@@ -277,7 +277,7 @@ def output_dtype(source_dtype: str, dtype: str | None) -> str:
     integers and bools are never cast."""
     if source_dtype not in SAFETENSORS_DTYPES:
         raise ExportError(f"dtype {source_dtype} cannot be written to safetensors")
-    if dtype is None or not dtype_of(source_dtype).is_floating_point:
+    if dtype is None or not is_floating(source_dtype):
         return source_dtype
     return dtype
 

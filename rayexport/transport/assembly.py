@@ -4,13 +4,15 @@ tensor assembled from its pieces (or streamed as consecutive chunks, LoRA merged
 
 from __future__ import annotations
 
-import torch
-
+from typing import TYPE_CHECKING
 from rayexport.common.dtypes import dtype_of
 from rayexport.plan.lora import merge_lora
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece, is_run
 from rayexport.plan.schedule import packed_offsets
+
+if TYPE_CHECKING:
+    import torch
 
 
 def piece_tensor(local: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -27,6 +29,8 @@ def piece_tensor(local: torch.Tensor, piece: Piece) -> torch.Tensor:
 def pack(pieces: tuple[Piece, ...], tensors: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the local tensors of `pieces` into one aligned byte buffer: the start of `into`
     (a host buffer at least that large), or a new one; returns the packed bytes."""
+    import torch
+
     offsets, size = packed_offsets(pieces)
     buffer = torch.empty(size, dtype=torch.uint8) if into is None else into[:size]
     for offset, piece, tensor in zip(offsets, pieces, tensors):
@@ -48,6 +52,8 @@ def assemble(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> torch.Tenso
     of the flattened tensor (`is_run`) to its place in the flattened tensor."""
     if len(plan.pieces) == 1 and plan.pieces[0].shape == plan.shape:
         return pieces[plan.pieces[0]]
+    import torch
+
     full = torch.empty(plan.shape, dtype=dtype_of(plan.source_dtype))
     for piece in plan.pieces:
         if is_run(piece, plan.shape):

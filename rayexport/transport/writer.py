@@ -10,9 +10,8 @@ import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
 from huggingface_hub import StateDictSplit
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 
@@ -23,6 +22,9 @@ from rayexport.common.passes import Count, ignore
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.schedule import ShardFile
 from rayexport.storage.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 HEADER_METADATA = {"format": "pt"}
 
@@ -65,6 +67,8 @@ def safetensors_header(tensors: list[TensorPlan]) -> bytes:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor, without a copy when it is contiguous."""
+    import torch
+
     return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 

@@ -10,8 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from rayexport.common.digests import LEGACY, new_digest
 from rayexport.common.dtypes import TORCH_NAME_OF_CODE, dtype_of, nbytes
 from rayexport.common.errors import one_line
@@ -238,6 +236,8 @@ class _TensorCheck:
                 hashed += (stop - start) * row
                 continue
             if values is None:
+                import torch
+
                 values = torch.frombuffer(bytearray(data), dtype=dtype_of(self.dtype)).view(block_rows, *self.shape[1:])
             region = (slice(start - first_row, stop - first_row),) + tuple(
                 slice(begin, begin + length) for begin, length in zip(offset[1:], extent[1:])
