@@ -11,12 +11,15 @@ sized to the target, bf16; the big one written a rank at a time). In one invocat
   - a Ray head started here (`ray start --head --block`, in a process group of its own, ended by
     that group's id when done), and the CLI joined to it through RAY_ADDRESS, as `ray job submit`
     runs on a cluster that is up: `--verify quick`, `--verify full`, and two `--verify full
-    --pool P` runs, of which the second is measured (its actors are the first's);
+    --pool P` runs, of which the second is measured (its actors are the first's); and `--verify
+    quick` with no description saved by an earlier run (RAYEXPORT_CACHE empty), as the first
+    export of a model runs;
   - the CLI starting its own Ray, `--verify quick` and `--verify full`.
 With `--big SIZE`, on that checkpoint (`--bucket-size 256MB`): verl's merger and the CLI with its
 own Ray at `--verify full`. With `--tree DIR`, every rayexport row also runs from that checkout
 (its own Ray head, whose workers import it), so that before and after are measured in the same
-invocation. Both tools are warm: each command runs once, unmeasured, before it is measured.
+invocation. Both tools are warm: each command runs once, unmeasured, before it is measured (which
+leaves the model's description saved, in a folder of this invocation's own).
 The largest process is verl's peak RSS (wait4) and the largest of the report's driver, workers
 and reload process. Nothing here asserts a time.
 """
@@ -104,6 +107,11 @@ def tree_rows(src: str, workdir: str, env: dict[str, str], big: str | None) -> d
     with ray_head(env, workdir) as joined:
         for verify in ("quick", "full"):
             rows[f"head, --verify {verify}"] = measured_twice(rayexport_cli, src, out, verify, SMALL_BUCKET, report, joined)
+        # a model no export described before: its description derived again (transformers' model code imported)
+        unsaved = dict(joined, RAYEXPORT_CACHE="")
+        rows["head, --verify quick, model not described before"] = measured_twice(
+            rayexport_cli, src, out, "quick", SMALL_BUCKET, report, unsaved,
+        )
         pooled = ("--pool", "bench")
         rayexport_cli(src, out, "full", SMALL_BUCKET, report, joined, pooled)  # leaves the pool, warm
         rows["head, --verify full --pool, second run"] = rayexport_cli(src, out, "full", SMALL_BUCKET, report, joined, pooled)
@@ -139,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
+    # the model descriptions the runs save (rayexport.model.saved): this invocation's own, from none
+    descriptions = os.path.join(args.workdir, "descriptions-cache")
+    remove(descriptions, None)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["RAYEXPORT_CACHE"] = descriptions
     src, nbytes = checkpoint(args.workdir, args.size, "verl", False)
     verl_out = os.path.join(args.workdir, "verl-out")
     verl = {args.size: measured_twice(verl_merger, src, verl_out)}
