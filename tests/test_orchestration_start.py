@@ -7,21 +7,23 @@ import json
 import subprocess
 import sys
 
-# A driver that refuses torch while it joins the session's Ray and begins an export of a verl
-# checkpoint (the plan, the placement group, the actors and their process group), which the
-# model's description, in the planning thread, needs (the command line imports it in a thread of
-# its own meanwhile): that thread fails. Then, torch allowed (the workers' answers are objects of
-# their module), it asks the workers to load, and prints what it saw.
-STARTS_WITHOUT_TORCH = """
-import json, sys
+# The start of a driver's code that refuses torch and transformers: an import of either fails.
+REFUSING_TORCH = """
+import json, runpy, sys
 
 class NoTorch:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in ("torch", "transformers"):
-            raise ImportError(f"the driver imported {name} before its workers started")
+            raise ImportError(f"the driver imported {name}")
 
 sys.meta_path.insert(0, NoTorch())
-import ray
+"""
+
+# A driver that refuses torch while it joins the session's Ray and begins an export of a verl
+# checkpoint (the plan, the placement group, the actors and their process group), which the
+# description of a model not described before, in the planning thread, needs: that thread fails. Then, torch allowed (the workers' answers are objects of
+# their module), it asks the workers to load, and prints what it saw.
+STARTS_WITHOUT_TORCH = REFUSING_TORCH + """import ray
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.start import begin_export
 ray.init(logging_level="ERROR")
@@ -39,10 +41,11 @@ finally:
 """
 
 
-def test_the_driver_starts_its_workers_and_they_load_without_it_importing_torch(checkpoints, ray_address, tmp_path):
-    """What lets a command line joined to a running cluster start its workers while it imports
-    torch itself: nothing on the way to them (planning, placement, the actors, their process
-    group) imports it in the driver."""
+def test_the_driver_starts_its_workers_and_they_load_without_it_importing_torch(checkpoints, ray_address, tmp_path, monkeypatch):
+    """What lets a command line joined to a running cluster ask for its workers at once: nothing
+    on the way to them (planning, placement, the actors, their process group) imports torch in
+    the driver."""
+    monkeypatch.setenv("RAYEXPORT_CACHE", "")  # the model described afresh: transformers wanted
     ran = subprocess.run(
         [sys.executable, "-c", STARTS_WITHOUT_TORCH, checkpoints["tied"].path, str(tmp_path / "out")],
         capture_output=True, text=True, timeout=300,
@@ -54,16 +57,7 @@ def test_the_driver_starts_its_workers_and_they_load_without_it_importing_torch(
 
 
 # The command line, in a process that refuses torch and transformers from its start.
-COMMAND_LINE_WITHOUT_TORCH = """
-import runpy, sys
-
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers"):
-            raise ImportError(f"the driver imported {name}")
-
-sys.meta_path.insert(0, NoTorch())
-sys.argv = ["rayexport.run", *sys.argv[1:]]
+COMMAND_LINE_WITHOUT_TORCH = REFUSING_TORCH + """sys.argv = ["rayexport.run", *sys.argv[1:]]
 runpy.run_module("rayexport.run", run_name="__main__")
 """
 
