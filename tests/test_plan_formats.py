@@ -4,6 +4,7 @@ transformers gives a tiny Qwen3-MoE (built on the meta device)."""
 from dataclasses import replace
 
 import pytest
+import torch
 
 from rayexport.common.errors import ExportError
 from rayexport.model.conversion import model_formats
@@ -13,7 +14,7 @@ from rayexport.plan.naming import LoraMerge, plan_holdings
 from rayexport.plan.pieces import holders_from_ranks
 from rayexport.plan.ties import find_tie_aliases
 from support.models import tiny_format_config
-from support.plan_cases import fsdp2_ranks
+from support.plan_cases import assembled, fsdp2_ranks
 
 FUSED = "model.layers.0.mlp.experts.gate_up_proj"
 
@@ -51,3 +52,25 @@ def test_lora_cannot_be_merged_into_a_tensor_that_is_split(formats):
     plans = [replace(plan, lora=LoraMerge(plan, plan, 1.0)) if plan.name == FUSED else plan for plan in planning.tensors]
     with pytest.raises(ExportError, match=f"LoRA on '{FUSED}' cannot be merged into 'model.layers.0.mlp.experts.0.gate_proj.weight'"):
         convert_plans(plans, formats.tiles(IN_MEMORY, ON_DISK), formats.disk, IN_MEMORY, ON_DISK)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
+def test_fused_experts_in_zeros_runs_become_transformers_own_per_expert_tensors(architecture):
+    """ZeRO flattens the fused experts into runs that straddle experts and ranks: each on-disk
+    expert tensor is cut from them, equal to what transformers' save conversion makes."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = build_meta_model(tiny_format_config(architecture), False)
+    formats = model_formats(model, expected_tensors(model), find_tie_aliases(model))
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        name: torch.randn(shape, generator=generator) for name, (shape, _) in formats.memory.expected.items()
+        if name not in formats.memory.aliases
+    }
+    planning, exported = assembled(state, formats, 3, partition="zero")
+    reference = revert_weight_conversion(model, dict(state))
+    assert planning.naming == IN_MEMORY and set(exported) == set(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(exported[name], tensor), name
+    straddling = [plan for plan in planning.tensors if len({piece.rank for piece in plan.pieces}) > 1 and "experts." in plan.name]
+    assert straddling  # some expert's tensor is cut from two ranks' runs

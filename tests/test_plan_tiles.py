@@ -6,7 +6,11 @@ from dataclasses import replace
 import torch
 
 from rayexport.plan.pieces import Piece
-from rayexport.plan.tiles import concatenate, drop_axis, insert_axis, invert, is_whole, narrow, permute, select, whole
+import pytest
+
+from rayexport.plan.tiles import (
+    concatenate, drop_axis, insert_axis, invert, is_whole, narrow, permute, select, select_runs, whole,
+)
 from rayexport.transport.assembly import piece_tensor
 
 
@@ -89,3 +93,50 @@ def test_strided_tiles_interleave_rows_through_shards_that_cut_heads():
     assert torch.equal(rebuild(tiles, {"q": q}, tuple(q.shape), shards), expected)
     narrowed = narrow(tiles, 0, 5, 9)  # the target's rows 5..13, as a tile of a split would take them
     assert torch.equal(rebuild(narrowed, {"q": q}, (9, columns), shards), expected[5:14])
+
+
+def rebuild_from_runs(tiles, sources, shape, runs):
+    """The target from its tiles, each cut from runs ((start, length) each) of its flattened
+    source as a worker sends them (`select_runs`, then `piece_tensor` of the 1-D run)."""
+    target = torch.full(shape, float("nan"))
+    for tile in tiles:
+        source = sources[tile.source]
+        for start, length in runs:
+            for run in select_runs(tile, tuple(source.shape), shape, start, length):
+                piece = Piece(0, tile.source, (run.target_start,), (run.length,), "float32", ((run.local_start, run.length, 1),), (0,))
+                local = source.reshape(-1)[start:start + length]
+                target.view(-1)[run.target_start:run.target_start + run.length] = piece_tensor(local, piece)
+    return target
+
+
+# runs of a [4, 6, 5] tensor's 120 elements that start and end inside experts and rows
+ODD_RUNS = [(0, 17), (17, 29), (46, 1), (47, 58), (105, 15)]
+
+
+@pytest.mark.parametrize("expert", range(4))
+def test_each_experts_gate_up_and_down_are_cut_from_runs_that_straddle_experts(expert):
+    fused = {"fused": torch.randn(4, 6, 5)}  # [experts, 2 * intermediate, hidden]
+    tiles = (whole("fused", (4, 6, 5)),)
+    gate = drop_axis(narrow(narrow(tiles, 1, 0, 3), 0, expert, 1), 0)
+    up = drop_axis(narrow(narrow(tiles, 1, 3, 3), 0, expert, 1), 0)
+    torch.testing.assert_close(rebuild_from_runs(gate, fused, (3, 5), ODD_RUNS), fused["fused"][expert, :3])
+    torch.testing.assert_close(rebuild_from_runs(up, fused, (3, 5), ODD_RUNS), fused["fused"][expert, 3:])
+    # an expert's gate is one stretch of the flattened tensor: it meets at most two of these runs
+    assert sum(len(select_runs(gate[0], (4, 6, 5), (3, 5), *run)) for run in ODD_RUNS) <= 2
+
+
+def test_a_box_of_columns_is_cut_row_by_row_and_stacked_sources_land_at_their_offsets():
+    weight = torch.randn(7, 4)
+    columns = narrow((whole("w", (7, 4)),), 1, 1, 2)  # weight[:, 1:3]: 7 stretches of 2
+    assert len(select_runs(columns[0], (7, 4), (7, 2), 0, 28)) == 7
+    runs = [(0, 9), (9, 10), (19, 9)]
+    torch.testing.assert_close(rebuild_from_runs(columns, {"w": weight}, (7, 2), runs), weight[:, 1:3])
+    sources = {"w": weight, "v": torch.randn(7, 4)}
+    stacked = concatenate([(insert_axis((whole(name, (7, 4)),), 0), 1) for name in sources], 0)
+    torch.testing.assert_close(rebuild_from_runs(stacked, sources, (2, 7, 4), runs), torch.stack(list(sources.values())))
+
+
+def test_a_transposed_tile_is_not_cut_from_runs():
+    tiles = permute((whole("w", (7, 4)),), (1, 0))
+    with pytest.raises(ValueError, match="transposed or strided tile of 'w'"):
+        select_runs(tiles[0], (7, 4), (4, 7), 0, 28)

@@ -15,7 +15,7 @@ from typing import Iterable, Literal, get_args
 
 from rayexport.common.errors import ExportError
 from rayexport.plan.pieces import Piece, is_run
-from rayexport.plan.tiles import Tile, invert, is_whole, select
+from rayexport.plan.tiles import Tile, invert, is_whole, select, select_runs
 
 # The formats an export's tensors can be written in (`--format`), owned here: everything else
 # compares with these names.
@@ -26,6 +26,9 @@ ON_DISK: Format = "on-disk"
 # transformers 5's `state_dict()`: MoE experts fused, VLM submodules nested under `model.`.
 IN_MEMORY: Format = "in-memory"
 FORMATS: tuple[Format, ...] = get_args(Format)
+# The most pieces one converted tensor is gathered in: a cut of runs (ZeRO) into more is refused,
+# as each piece is a slice a worker sends and the exporter places.
+MAX_PIECES = 65536
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 
@@ -179,12 +182,6 @@ def convert_plans(
         if is_whole(parts, shape, first.shape):
             converted.append(replace(first, name=name))
             continue
-        flattened = next((plan for plan in sources if any(is_run(piece, plan.shape) for piece in plan.pieces)), None)
-        if flattened is not None:
-            raise ExportError(
-                f"tensor '{flattened.name}' is saved flattened across ranks and '{name}' is cut from it; "
-                f"export with --format {source_kind}"
-            )
         lora = next((plan for plan in sources if plan.lora is not None), None)
         if lora is not None:
             raise ExportError(
@@ -192,13 +189,40 @@ def convert_plans(
                 f"split into or merged from; export with --format {source_kind} or --lora adapter"
             )
         pieces = tuple(
-            Piece(piece.rank, piece.source_key, selection.offset, selection.shape, piece.dtype, selection.region, selection.axes)
+            converted_piece
             for tile, plan in zip(parts, sources)
             for piece in plan.pieces
-            if (selection := select(tile, piece.offset, piece.shape)) is not None
+            for converted_piece in _tile_pieces(tile, plan, piece, name, shape, source_kind)
         )
+        if len(pieces) > MAX_PIECES:
+            raise ExportError(
+                f"tensor '{name}' would be gathered in {len(pieces)} pieces of its ranks' runs (at most {MAX_PIECES}); "
+                f"export with --format {source_kind}"
+            )
         converted.append(replace(first, name=name, shape=shape, pieces=pieces))
     unused = [plan.name for plan in plans if plan.name not in used]
     if unused:
         raise ExportError(f"tensor '{unused[0]}' has no place in the {target_kind} format")
     return converted
+
+
+def _tile_pieces(tile: Tile, plan, piece: Piece, name: str, shape: tuple[int, ...], source_kind: Format) -> list[Piece]:
+    """The parts of one source piece that tile `tile` of output tensor `name` (of `shape`) takes:
+    a box of a shard, or stretches of a run of the flattened tensor (ZeRO's partitions), each
+    placed as a run of the flattened output."""
+    if not is_run(piece, plan.shape):
+        selection = select(tile, piece.offset, piece.shape)
+        if selection is None:
+            return []
+        return [Piece(piece.rank, piece.source_key, selection.offset, selection.shape, piece.dtype, selection.region, selection.axes)]
+    try:
+        runs = select_runs(tile, plan.shape, shape, piece.offset[0], piece.shape[0])
+    except ValueError:
+        raise ExportError(
+            f"tensor '{plan.name}' is saved flattened across ranks and '{name}' is a transposed or strided cut of it; "
+            f"export with --format {source_kind}"
+        ) from None
+    return [
+        Piece(piece.rank, piece.source_key, (run.target_start,), (run.length,), piece.dtype, ((run.local_start, run.length, 1),), (0,))
+        for run in runs
+    ]

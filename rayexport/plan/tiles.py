@@ -163,6 +163,82 @@ def select(tile: Tile, shard_offset: tuple[int, ...], shard_shape: tuple[int, ..
     return Selection(offset, shape, tuple(region), tile.axes)
 
 
+@dataclass(frozen=True)
+class RunSelection:
+    """What a worker sends for one tile of a run of a flattened tensor: `length` elements from
+    element `local_start` of its run, placed from element `target_start` of the flattened target."""
+
+    target_start: int
+    local_start: int
+    length: int
+
+
+def select_runs(
+    tile: Tile, source_shape: tuple[int, ...], target_shape: tuple[int, ...], start: int, length: int
+) -> list[RunSelection]:
+    """The parts of a run of the flattened source (elements [start, start + length) of a tensor
+    of `source_shape`) that land in the tile's region of a target of `target_shape`, each as
+    contiguous in the run as in the flattened target.
+
+    A box whose target axes run along the source's in order, every index taken, lists its
+    elements in the same order in both tensors, so it is cut into chunks that are contiguous in
+    both (their length: the shorter of the two tensors' contiguous stretches of the box), and a
+    run meets a consecutive stretch of those chunks, found by bisection. A transposed or strided
+    tile has no such chunks (ValueError)."""
+    along = [axis for axis in tile.axes if axis is not None]
+    if any(step != 1 for step in tile.steps) or along != sorted(along):
+        raise ValueError(f"a transposed or strided tile of '{tile.source}' does not cut runs of its flattened elements")
+    extent = tile.source_shape
+    chunk = min(_contiguous(extent, source_shape), _contiguous(tile.shape, target_shape))
+    chunks = math.prod(extent) // chunk if chunk else 0
+
+    def source_start(index: int) -> int:
+        return _flat_index(_unravel(index * chunk, extent), tile.source_offset, source_shape)
+
+    low, high = 0, chunks  # the first chunk that ends after the run starts
+    while low < high:
+        middle = (low + high) // 2
+        if source_start(middle) + chunk <= start:
+            low = middle + 1
+        else:
+            high = middle
+    selections = []
+    for index in range(low, chunks):
+        first = source_start(index)
+        if first >= start + length:
+            break
+        begin, end = max(start, first), min(start + length, first + chunk)
+        target = _flat_index(_unravel(index * chunk, tile.shape), tile.offset, target_shape)
+        selections.append(RunSelection(target + begin - first, begin - start, end - begin))
+    return selections
+
+
+def _contiguous(box: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """How many consecutive elements of a box of extent `box` in a tensor of `shape` are
+    consecutive in the flattened tensor: the inner full axes and the first partial one."""
+    length = 1
+    for size, full in zip(reversed(box), reversed(shape)):
+        length *= size
+        if size != full:
+            break
+    return length
+
+
+def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    position = []
+    for size in reversed(shape):
+        position.append(index % size)
+        index //= size
+    return tuple(reversed(position))
+
+
+def _flat_index(position: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    index = 0
+    for at, start, size in zip(position, offset, shape):
+        index = index * size + at + start
+    return index
+
+
 def _set(values: tuple, index: int, value) -> tuple:
     return values[:index] + (value,) + values[index + 1:]
 

@@ -7,7 +7,7 @@ import torch
 
 from rayexport.plan.formats import IN_MEMORY, ON_DISK, ModelFormats, Naming
 from rayexport.plan.naming import plan_holdings
-from rayexport.plan.pieces import holders_from_ranks
+from rayexport.plan.pieces import holders_by_key, holders_from_ranks
 from rayexport.plan.shards import ShardInfo
 
 
@@ -66,15 +66,38 @@ def piece_region(tensor, piece):
     return tensor[tuple(slice(start, start + length) for start, length in zip(piece.offset, piece.shape))]
 
 
-def assembled(state, formats, world_size, output_format=ON_DISK):
+def zero_partitions(state, world_size):
+    """rank -> key -> (ShardInfo, local run) for `state` partitioned as ZeRO-1/2 partitions its
+    flat buffer: every tensor flattened and concatenated in order, cut into `world_size` equal
+    parts (the last one short), so that tensors straddle ranks."""
+    flat = torch.cat([tensor.reshape(-1) for tensor in state.values()])
+    size = -(-flat.numel() // world_size)
+    ranks, position = {rank: {} for rank in range(world_size)}, 0
+    for name, tensor in state.items():
+        for rank in range(world_size):
+            start, end = max(position, rank * size), min(position + tensor.numel(), (rank + 1) * size)
+            if end > start:
+                info = ShardInfo(local_shape=(end - start,), dtype="float32", global_shape=tuple(tensor.shape),
+                                 offset=(start - position,), flat=True)
+                ranks[rank][name] = (info, flat[start:end])
+        position += tensor.numel()
+    return ranks
+
+
+def assembled(state, formats, world_size, output_format=ON_DISK, partition="fsdp2"):
     """The planning of `state` (source tensors by name, row-sharded over `world_size` FSDP2
-    ranks) and each output tensor assembled from the pieces it asks of each rank's shard, as
-    the workers would send them."""
+    ranks, or with `partition="zero"` in ZeRO's runs, `zero_partitions`) and each output tensor
+    assembled from the pieces it asks of each rank's shard, as the workers would send them."""
     from rayexport.transport.assembly import assemble, piece_tensor
 
-    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
-    planning = plan_holdings(holders_from_ranks(fsdp2_ranks(shapes, world_size)), formats, output_format, None)
-    shards = {name: tensor.chunk(world_size) for name, tensor in state.items()}
+    if partition == "zero":
+        partitions = zero_partitions(state, world_size)
+        holders = holders_by_key({rank: {key: info for key, (info, _) in held.items()} for rank, held in partitions.items()})
+        shards = {key: {rank: partitions[rank][key][1] for rank in holders[key]} for key in holders}
+    else:
+        holders = holders_from_ranks(fsdp2_ranks({name: tuple(tensor.shape) for name, tensor in state.items()}, world_size))
+        shards = {name: dict(enumerate(tensor.chunk(world_size))) for name, tensor in state.items()}
+    planning = plan_holdings(holders, formats, output_format, None)
     tensors = {
         plan.name: assemble(plan, {piece: piece_tensor(shards[piece.source_key][piece.rank], piece) for piece in plan.pieces})
         for plan in planning.tensors
