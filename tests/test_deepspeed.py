@@ -20,16 +20,30 @@ import torch
 from safetensors.torch import load_file
 
 from rayexport import export_remote
-from support.deepspeed_checkpoints import CASES, source_of
+from support.deepspeed_checkpoints import CASES, MOE_CASES, source_of
 from support.helpers import download, error_lines, exported_tensors, run_main, upload
 
 pytestmark = pytest.mark.usefixtures("ray_address")
 
 LORA_SCALE = 8 / 4  # the writer's lora_alpha / r
+PROMPT_IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
 
 
 def zero_to_fp32(folder: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(folder, "reference", "zero_to_fp32.safetensors"))
+
+
+def save_pretrained(folder: str) -> str:
+    """The folder `save_pretrained` wrote DeepSpeed's own conversion to: the model's on-disk format."""
+    return os.path.join(folder, "reference", "save_pretrained")
+
+
+def logits(folder: str, dtype: torch.dtype) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    with torch.no_grad():
+        return model(torch.tensor(PROMPT_IDS)).logits
 
 
 def copy_of(folder: str, tmp_path) -> str:
@@ -54,18 +68,24 @@ def export(folder: str, out: str, pool: str, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("case", [case for case in CASES if "lora" not in case])
-def test_an_export_is_deepspeeds_own_conversion_in_the_published_dtype(deepspeed_checkpoints, case, tmp_path, warm_pool):
+def test_an_export_is_deepspeeds_own_conversion_saved_by_transformers_in_the_published_dtype(deepspeed_checkpoints, case, tmp_path,
+                                                                                            warm_pool):
+    """A MoE model's fused experts, which ZeRO flattened into runs across experts and ranks, are
+    exported per expert, as `save_pretrained` writes them."""
     folder, out = deepspeed_checkpoints[case], str(tmp_path / "out")
     report = export(folder, out, warm_pool)
     assert report["layout"].startswith("deepspeed-zero") and report["verification"]["level"] == "full"
-    reference, exported = zero_to_fp32(folder), exported_tensors(out)
+    reference, exported = exported_tensors(save_pretrained(folder)), exported_tensors(out)
     assert set(exported) == set(reference)  # a tied head: saved once, by both
     published = published_dtype(case)
     for name, tensor in reference.items():
         assert exported[name].dtype == published and torch.equal(exported[name], tensor.to(published)), name
+    if case in MOE_CASES:
+        assert any(".experts.4." in name for name in exported) and not any("gate_up_proj" in name for name in exported)
     config = json.loads(open(os.path.join(out, "config.json")).read())
     assert config["dtype"] == str(published)[6:] and config["tie_word_embeddings"] == ("--tied" in CASES[case])
     assert not {"latest", "zero_to_fp32.py", "trainer_state.json"} & set(os.listdir(out))  # DeepSpeed's, not the model's
+    assert torch.equal(logits(out, published), logits(save_pretrained(folder), published))
 
 
 def test_a_zero1_save_without_optimizer_states_exports_its_16_bit_weights_and_says_so(deepspeed_checkpoints, tmp_path, caplog,
@@ -113,14 +133,17 @@ def test_lora_under_zero_is_merged_into_its_frozen_base(deepspeed_checkpoints, t
         assert set(adapter) == set(trained) and all(torch.equal(adapter[name], trained[name]) for name in trained)
 
 
-def test_export_remote_from_s3_to_s3(deepspeed_checkpoints, s3_prefix, tmp_path, warm_pool):
+@pytest.mark.parametrize("case", ["zero3-bf16-tied-zero-init", "zero2-bf16-mixtral-world3-tied"])
+def test_export_remote_from_s3_to_s3(deepspeed_checkpoints, case, s3_prefix, tmp_path, warm_pool):
     """As an RL trainer exports each checkpoint: from inside its Ray program, S3 to S3."""
-    folder = deepspeed_checkpoints["zero3-bf16-tied-zero-init"]
-    source = upload(os.path.join(folder, "checkpoint-2"), f"{s3_prefix}/checkpoint-2")
-    report = ray.get(export_remote(source, f"{s3_prefix}/export", workers=2, pool=warm_pool), timeout=600)
-    assert report.verification["passed"]
-    exported = exported_tensors(download(f"{s3_prefix}/export", str(tmp_path / "out")))
-    for name, tensor in zero_to_fp32(folder).items():
+    folder = deepspeed_checkpoints[case]
+    source = upload(os.path.join(folder, "checkpoint-2"), f"{s3_prefix}/{case}")
+    report = ray.get(export_remote(source, f"{s3_prefix}/{case}-export", workers=2, pool=warm_pool, verify="full"), timeout=600)
+    assert report.verification["passed"] and report.verification["level"] == "full"
+    exported = exported_tensors(download(f"{s3_prefix}/{case}-export", str(tmp_path / "out")))
+    reference = exported_tensors(save_pretrained(folder))
+    assert set(exported) == set(reference)
+    for name, tensor in reference.items():
         assert torch.equal(exported[name], tensor.to(torch.bfloat16)), name
 
 

@@ -1,6 +1,7 @@
 """The vLLM check on real exports, with vLLM's CPU build in a virtualenv of its own (as users
-keep it, named with --vllm-python): exports of FSDP2 checkpoints written by gloo ranks (head_dim
-32, which vLLM's CPU attention runs) pass it; an export missing a weight fails it, naming where
+keep it, named with --vllm-python): exports of FSDP2 checkpoints written by gloo ranks, of a
+Megatron-Core save and of a MoE model's DeepSpeed ZeRO-3 save (head_dim 32, which vLLM's CPU
+attention runs) pass it; an export missing a weight fails it, naming where
 the engines part or the weight vLLM found no tensor for; a head_dim vLLM refuses is one line,
 and nothing is committed."""
 
@@ -40,6 +41,8 @@ CASES = {
     "lora-merged-bfloat16-on-s3": ("lora", {}),
     # vLLM's Qwen2 takes its head size from hidden / heads, not config.json's head_dim (32 here)
     "megatron-lm-tp2-float32": ("llama-tp2-untied-megatron-lm", {"dtype": "float32"}),
+    # DeepSpeed's own ZeRO-3 save, its fused experts in runs across experts and ranks
+    "moe-under-zero3-bfloat16": ("zero3-bf16-qwen3-moe-world3-zero-init-serving", {}),
 }
 
 
@@ -61,16 +64,20 @@ def serving_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def exports(serving_checkpoints, megatron_checkpoints, vllm_python, tmp_path_factory, s3_endpoint, warm_pool):
+def exports(serving_checkpoints, megatron_checkpoints, deepspeed_checkpoints, vllm_python, tmp_path_factory, s3_endpoint,
+            warm_pool):
     """Every case exported with `--serve-check vllm` through `rayexport.export()`, two at a
     time: by case, a future of (destination, report); and the vLLM check's scratch folders
-    left behind (none should be). The Megatron-LM save is Megatron-Core's own (its config beside it)."""
+    left behind (none should be). The Megatron-LM save is Megatron-Core's own (its config beside
+    it), the ZeRO save DeepSpeed's own."""
     from rayexport import export
     from support.helpers import BUCKET
 
     megatron = megatron_checkpoints["llama-tp2-untied-megatron-lm"]
     sources = {**{name: (folder, {}) for name, folder in serving_checkpoints.items()},
                "llama-tp2-untied-megatron-lm": (megatron, {"hf_config": os.path.join(megatron, "hf")})}
+    zero = "zero3-bf16-qwen3-moe-world3-zero-init-serving"
+    sources[zero] = (os.path.join(deepspeed_checkpoints[zero], "checkpoint-2"), {})
 
     root = tmp_path_factory.mktemp("serving-exports")
     scratch = os.path.join(tempfile.gettempdir(), "rayexport-vllm-*")

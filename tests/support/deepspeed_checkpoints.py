@@ -20,7 +20,16 @@ CASES = {
     "zero3-bf16-tied-zero-init": ["--stage", "3", "--tied", "--dtype", "bfloat16", "--zero-init"],
     "zero2-lora": ["--stage", "2", "--untied", "--lora"],
     "zero3-lora": ["--stage", "3", "--untied", "--lora"],
+    # transformers 5's fused experts, flattened into runs that cut through experts and ranks
+    "zero1-bf16-qwen3-moe-world3": ["--stage", "1", "--model", "qwen3_moe", "--untied", "--dtype", "bfloat16", "--world", "3"],
+    "zero2-bf16-mixtral-world3-tied": ["--stage", "2", "--model", "mixtral", "--tied", "--dtype", "bfloat16", "--world", "3"],
+    "zero3-bf16-mixtral-world3-two-groups": ["--stage", "3", "--model", "mixtral", "--untied", "--dtype", "bfloat16",
+                                             "--world", "3", "--groups", "2"],
+    # served by the vLLM check (tests/test_serving_vllm.py)
+    "zero3-bf16-qwen3-moe-world3-zero-init-serving": ["--stage", "3", "--model", "qwen3_moe", "--untied", "--dtype", "bfloat16",
+                                                      "--world", "3", "--zero-init", "--serving"],
 }
+MOE_CASES = [case for case, arguments in CASES.items() if "--model" in arguments]
 
 
 def write_deepspeed_checkpoints(root: str) -> dict[str, str]:

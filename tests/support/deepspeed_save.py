@@ -4,12 +4,13 @@ conversion of it.
 Run with a Python that `deepspeed_env.deepspeed_python` made (DeepSpeed 0.19.8, on CPU), not the
 project's:
 
-    python deepspeed_save.py --out DIR --stage 1|2|3 [--dtype float32|bfloat16|float16] --tied|--untied
-        [--world N] [--zero-init] [--lora] [--layout trainer|openrlhf] [--steps N] [--groups 1|2]
+    python deepspeed_save.py --out DIR --stage 1|2|3 [--model llama|qwen3_moe|mixtral] [--serving]
+        [--dtype float32|bfloat16|float16] --tied|--untied [--world N] [--zero-init] [--lora] [--layout trainer|openrlhf] [--steps N] [--groups 1|2]
     python deepspeed_save.py --batch FILE   # FILE: a JSON list of such argument lists
 
 Everything that decides what lands on disk is DeepSpeed's own code: `deepspeed.initialize` of a
-transformers Llama model (odd sizes, so that ZeRO pads partitions and parameters straddle ranks)
+transformers Llama, Qwen3-MoE or Mixtral model (`--model`; odd sizes, so that ZeRO pads partitions
+and parameters straddle ranks; `--serving`: sizes vLLM's CPU build serves)
 with a client `torch.optim.AdamW` (with `--groups 2`, Trainer's two parameter groups), on `--world` gloo ranks (default 2), `--steps` training steps
 (default 2), and `engine.save_checkpoint(dir, tag="global_step<steps>")`, which writes `latest`,
 `zero_to_fp32.py` and the tag folder. ZeRO-3 partitions every parameter
@@ -25,7 +26,9 @@ parameters DeepSpeed saves apart. The folder is laid out as its trainer does:
 
 It also writes, from rank 0, what an export must reproduce: `DIR/reference/zero_to_fp32.safetensors`,
 DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint` of the saved checkpoint (its tied alias
-left out, as safetensors holds a tensor once), and `DIR/reference/files.json`, every file saved.
+left out, as safetensors holds a tensor once); `DIR/reference/save_pretrained/`, that state dict
+loaded into the model and saved by `save_pretrained` (the on-disk format: per-expert tensors for a
+MoE model); and `DIR/reference/files.json`, every file saved.
 
 On CPU DeepSpeed needs `DS_ACCELERATOR=cpu`, and its comm backend would compile a shared-memory
 all-reduce op (minutes) that only inference uses: `build_shm_op` is replaced, in this writer only.
@@ -53,13 +56,29 @@ RANK_TIMEOUT_S = 120
 # their partitions, and ZeRO-1/2's flat buffers split a parameter between ranks.
 SIZES = dict(vocab_size=97, hidden_size=35, intermediate_size=51, num_hidden_layers=2, num_attention_heads=5,
              num_key_value_heads=1, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5, hidden_act="silu")
+# vLLM's CPU attention runs head_dim 32 and up: the sizes of the save the vLLM check serves, whose
+# larger initializer range gives decisive logits.
+SERVING_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=32, max_position_embeddings=128, initializer_range=0.3)
+# The MoE models, as transformers 5 holds them: each layer's experts fused into `gate_up_proj` and
+# `down_proj`, which ZeRO flattens into runs that cut through experts (an odd number of them). Their
+# hidden and expert sizes are multiples of 8, as the grouped matmul transformers runs them with
+# needs 16-byte strides in 16-bit dtypes.
+MOE_SIZES = dict(hidden_size=40)
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(moe_intermediate_size=24, num_experts=5, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=24, num_local_experts=5, num_experts_per_tok=2)),
+}
 
 
 def hf_config(args: argparse.Namespace):
-    from transformers import LlamaConfig
+    import transformers
 
-    config = LlamaConfig(**SIZES, tie_word_embeddings=args.tied, dtype=args.dtype)
-    config.architectures = ["LlamaForCausalLM"]
+    config_class, architecture, settings = MODELS[args.model]
+    sizes = SERVING_SIZES if args.serving else dict(SIZES, **(MOE_SIZES if args.model != "llama" else {}))
+    config = getattr(transformers, config_class)(**dict(sizes, **settings), tie_word_embeddings=args.tied, dtype=args.dtype)
+    config.architectures = [architecture]
     return config
 
 
@@ -83,14 +102,18 @@ def ds_config(args: argparse.Namespace) -> dict:
 def build_model(args: argparse.Namespace, config: dict):
     """The transformers model (under `deepspeed.zero.Init` with `--zero-init`), in peft's LoRA with `--lora`."""
     import deepspeed
-    from transformers import LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(SEED)
+    hf = hf_config(args)
+    # the model's class is imported before `zero.Init` patches torch's tensor constructors, which
+    # the torch modules it imports (torch._dynamo) would trip over
+    model_class = getattr(transformers, hf.architectures[0])
     if args.zero_init:
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = LlamaForCausalLM(hf_config(args))
+            model = model_class(hf)
     else:
-        model = LlamaForCausalLM(hf_config(args))
+        model = model_class(hf)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -157,9 +180,11 @@ def run_rank(rank: int, args: argparse.Namespace, world: int, rendezvous: str) -
 
 
 def write_references(args: argparse.Namespace, folder: str) -> None:
-    """DeepSpeed's own conversion of the saved checkpoint, and the config where its trainer keeps it."""
+    """DeepSpeed's own conversion of the saved checkpoint, that state dict saved in the model's
+    on-disk format by `save_pretrained` (not for LoRA), and the config where its trainer keeps it."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
     state = get_fp32_state_dict_from_zero_checkpoint(folder, tag=f"global_step{args.steps}")
     seen, unique = set(), {}
@@ -170,6 +195,10 @@ def write_references(args: argparse.Namespace, folder: str) -> None:
     reference = os.path.join(args.out, "reference")
     os.makedirs(reference, exist_ok=True)
     save_file(unique, os.path.join(reference, "zero_to_fp32.safetensors"))
+    if not args.lora:
+        model = AutoModelForCausalLM.from_config(hf_config(args), dtype=torch.float32)
+        model.load_state_dict(state, strict=True)
+        model.save_pretrained(os.path.join(reference, "save_pretrained"))
     files = sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names)
     with open(os.path.join(reference, "files.json"), "w") as f:
         json.dump(files, f, indent=1)
@@ -181,6 +210,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--stage", type=int, choices=[1, 2, 3], required=True)
+    parser.add_argument("--model", choices=list(MODELS), default="llama")
+    parser.add_argument("--serving", action="store_true", help="sizes vLLM's CPU build serves")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     tying = parser.add_mutually_exclusive_group(required=True)
     tying.add_argument("--tied", dest="tied", action="store_true")
