@@ -62,7 +62,7 @@ _RULES = (
     ("model.layers.{L}.mlp.gate_proj.weight", (_LAYERS + "mlp.linear_fc1.weight",), GATE),
     ("model.layers.{L}.mlp.up_proj.weight", (_LAYERS + "mlp.linear_fc1.weight",), UP),
     ("model.layers.{L}.mlp.down_proj.weight", (_LAYERS + "mlp.linear_fc2.weight",), WHOLE),
-    # MoE: Qwen3-MoE's names, then Mixtral's
+    # MoE: Qwen3-MoE's names (Qwen2-MoE's and GLM-4.5's too), then Mixtral's
     ("model.layers.{L}.mlp.gate.weight", (_LAYERS + "mlp.router.weight",), WHOLE),
     ("model.layers.{L}.mlp.experts.{E}.gate_proj.weight", (_EXPERTS + "linear_fc1.weight",), GATE),
     ("model.layers.{L}.mlp.experts.{E}.up_proj.weight", (_EXPERTS + "linear_fc1.weight",), UP),
@@ -73,7 +73,7 @@ _RULES = (
     ("model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight", (_EXPERTS + "linear_fc2.weight",), WHOLE),
     # DeepSeek-V3: multi-latent attention (q and kv each through a latent of their own, its norm
     # saved apart by the local spec or fused into the up projection by TE's), a shared expert and
-    # the router's score-correction bias
+    # the router's score-correction bias (GLM-4.5's too)
     ("model.layers.{L}.self_attn.q_proj.weight", (_ATTENTION + "linear_q_proj.weight",), WHOLE),  # no q latent
     ("model.layers.{L}.self_attn.q_a_proj.weight", (_ATTENTION + "linear_q_down_proj.weight",), WHOLE),
     ("model.layers.{L}.self_attn.q_a_layernorm.weight",
@@ -87,13 +87,18 @@ _RULES = (
     ("model.layers.{L}.mlp.shared_experts.gate_proj.weight", (_SHARED + "linear_fc1.weight",), GATE),
     ("model.layers.{L}.mlp.shared_experts.up_proj.weight", (_SHARED + "linear_fc1.weight",), UP),
     ("model.layers.{L}.mlp.shared_experts.down_proj.weight", (_SHARED + "linear_fc2.weight",), WHOLE),
+    # Qwen2-MoE: one shared expert (named in the singular) behind a sigmoid gate of its own
+    ("model.layers.{L}.mlp.shared_expert.gate_proj.weight", (_SHARED + "linear_fc1.weight",), GATE),
+    ("model.layers.{L}.mlp.shared_expert.up_proj.weight", (_SHARED + "linear_fc1.weight",), UP),
+    ("model.layers.{L}.mlp.shared_expert.down_proj.weight", (_SHARED + "linear_fc2.weight",), WHOLE),
+    ("model.layers.{L}.mlp.shared_expert_gate.weight", (_SHARED + "gate_weight",), WHOLE),
 )
 _PATTERNS = tuple(
     (re.compile("^" + re.escape(disk).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)") + "$"), saved, cut)
     for disk, saved, cut in _RULES
 )
 # The Hugging Face model types whose every tensor the rules above name.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
 # Names only Megatron-Core gives, to recognise its checkpoints by.
 _SIGNATURES = re.compile(r"^(embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.(layers|final_layernorm)\..*)$")
 

@@ -21,9 +21,15 @@ CASES = {
         "--model", "qwen3_moe", "--ep", "2", "--untied", "--experts", "grouped", "--dtype", "bfloat16", "--optimizer",
         "--layout", "megatron-lm",
     ],
-    "mixtral-ep2": ["--model", "mixtral", "--ep", "2", "--untied"],
+    # saved under TransformerEngine's keys, as GPU runs save (megatron_save.py's `te_spec_keys`)
+    "mixtral-ep2-te-names": ["--model", "mixtral", "--ep", "2", "--untied", "--names", "te"],
     # multi-latent attention, a dense layer then MoE ones (each layer saved apart), shared experts
     "deepseek_v3-pp2-ep2-bf16": ["--model", "deepseek_v3", "--pp", "2", "--ep", "2", "--untied", "--dtype", "bfloat16"],
+    "deepseek_v3-ep2-te-names": ["--model", "deepseek_v3", "--ep", "2", "--untied", "--names", "te"],
+    # a shared expert behind a sigmoid gate, q/k/v biases
+    "qwen2_moe-ep2-shared-expert-gate": ["--model", "qwen2_moe", "--ep", "2", "--untied"],
+    # rotary on half of each head, q/k norms, a dense layer then MoE ones, a routed scaling factor
+    "glm4_moe-ep2-bf16-te-names": ["--model", "glm4_moe", "--ep", "2", "--untied", "--dtype", "bfloat16", "--names", "te"],
 }
 
 

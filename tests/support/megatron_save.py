@@ -4,10 +4,10 @@ Hugging Face export of it.
 Run with a Python that `megatron_env.megatron_python` made (Megatron-Core 0.16.1, mbridge 0.15.1,
 on CPU), not the project's:
 
-    python megatron_save.py --out DIR --model llama|qwen2|qwen3|qwen3_moe|mixtral|deepseek_v3
+    python megatron_save.py --out DIR --model llama|qwen2|qwen3|qwen3_moe|mixtral|deepseek_v3|qwen2_moe|glm4_moe
         [--tp N] [--pp N] [--ep N] --tied|--untied [--dtype float32|bfloat16]
         [--experts sequential|grouped] [--layout verl|megatron-lm]
-        [--optimizer [dp_reshardable|fully_reshardable]] [--steps N]
+        [--optimizer [dp_reshardable|fully_reshardable]] [--steps N] [--names local|te]
     python megatron_save.py --batch FILE   # FILE: a JSON list of such argument lists
 
 It runs tp * pp * ep gloo ranks (at most 4): Megatron draws expert parallelism from data
@@ -26,7 +26,9 @@ with `get_gpt_layer_local_spec` in place of the TransformerEngine spec (no TE on
 the given format) and `OptimizerParamScheduler`, `--steps N` training steps (default 2) through its
 pipeline schedule (`get_forward_backward_func`, `finalize_model_grads`), and
 `dist_checkpointing.save` of the model's `sharded_state_dict()` with the torch_dist strategy, fully
-parallel over data-parallel ranks, as verl and Megatron-LM save. The state dict is the trainer's:
+parallel over data-parallel ranks, as verl and Megatron-LM save; with `--names te` under the keys
+Megatron-Core's TransformerEngine spec saves the same tensors with, as every GPU run does
+(`te_spec_keys`). The state dict is the trainer's:
 
 - `--layout verl` (default): `{"model", "rng_state"}` (+ `"optimizer"`, `"lr_scheduler"`) in
   `DIR/actor/dist_ckpt/`, and the Hugging Face config in `DIR/actor/huggingface/config.json`;
@@ -124,8 +126,10 @@ HF_NAMES = {
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
 }
-MOE_MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
+MOE_MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "glm4_moe")
 
 
 def hf_config(name: str, shape: Shape, tied: bool, dtype: str) -> dict:
@@ -147,16 +151,18 @@ def hf_config(name: str, shape: Shape, tied: bool, dtype: str) -> dict:
                     sliding_window=None)
     if name == "deepseek_v3":
         return deepseek_v3_config(config, shape)
+    if name == "glm4_moe":
+        return glm4_moe_config(config, shape)
     qwen = dict(config, rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=None)
     if name == "qwen2":
         return dict(qwen, attention_bias=True)
     if name == "qwen3":
         return dict(qwen, attention_bias=False)
-    return dict(
-        qwen, attention_bias=False, moe_intermediate_size=shape.moe_ffn, num_experts=shape.experts,
-        num_experts_per_tok=shape.top_k, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        router_aux_loss_coef=0.0,
-    )
+    moe = dict(moe_intermediate_size=shape.moe_ffn, num_experts=shape.experts, num_experts_per_tok=shape.top_k,
+               decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+    if name == "qwen2_moe":  # q, k and v biases, a shared expert of its own size behind a sigmoid gate
+        return dict(qwen, **moe, qkv_bias=True, norm_topk_prob=False, shared_expert_intermediate_size=96)
+    return dict(qwen, **moe, attention_bias=False, norm_topk_prob=True)
 
 
 def deepseek_v3_config(config: dict, shape: Shape) -> dict:
@@ -171,6 +177,17 @@ def deepseek_v3_config(config: dict, shape: Shape) -> dict:
                   v_head_dim=32, rope_interleave=True, attention_bias=False, num_mtp_layers=0, rope_scaling=None,
                   topk_method="noaux_tc", scoring_func="sigmoid", aux_loss_alpha=0.0)
     return fields
+
+
+def glm4_moe_config(config: dict, shape: Shape) -> dict:
+    """GLM-4.5's fields on the tiny sizes: rotary embedding on half of each head, q and k norms,
+    q, k and v biases (mbridge's bridge always gives Megatron them), one dense layer then MoE ones
+    with a shared expert, sigmoid routing with a score-correction bias and a routed scaling factor.
+    No multi-token prediction layer (transformers' model has none)."""
+    return dict(config, rope_theta=10000.0, partial_rotary_factor=0.5, rms_norm_eps=1e-5, attention_bias=True,
+                use_qk_norm=True, moe_intermediate_size=shape.moe_ffn, first_k_dense_replace=1,
+                n_routed_experts=shape.experts, n_shared_experts=1, num_experts_per_tok=shape.top_k, n_group=1,
+                topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0)
 
 
 def cpu_overrides(args: argparse.Namespace) -> dict:
@@ -194,6 +211,12 @@ def cpu_overrides(args: argparse.Namespace) -> dict:
         # renormalising the k weights; Hugging Face's Mixtral renormalises them, which is
         # Megatron's top-k-then-softmax. This keeps the references reproducible by HF's model.
         overrides["moe_router_pre_softmax"] = False
+    if args.model == "qwen2_moe":
+        # mbridge 0.15.1's Qwen2-MoE bridge maps the shared expert's gate but leaves Megatron's
+        # `moe_shared_expert_gate` off, so that the model it builds has no gate, which every
+        # Qwen2-MoE has (transformers' applies sigmoid(gate(x)) to the shared expert's output);
+        # verl's users turn it on in the transformer config they override.
+        overrides["moe_shared_expert_gate"] = True
     if args.model == "deepseek_v3":
         # mbridge asks for the fused attention backend (TransformerEngine's); the local spec's
         # attention is Megatron's own, unfused, which computes the same softmax(QK^T)V.
@@ -335,8 +358,11 @@ def build_bridge(args: argparse.Namespace, shape: Shape):
 
     fields = hf_config(args.model, shape, args.tied, args.dtype)
     config = CONFIG_MAPPING[fields["model_type"]](**{k: v for k, v in fields.items() if k not in ("model_type", "dtype", "torch_dtype")})
-    # mbridge 0.15.1 reads `rope_theta` as an attribute; transformers 5 keeps it in rope_parameters.
+    # mbridge 0.15.1 reads `rope_theta` (and GLM's `partial_rotary_factor`) as attributes;
+    # transformers 5 keeps them in rope_parameters.
     config.rope_theta = fields["rope_theta"]
+    if "partial_rotary_factor" in fields:
+        config.partial_rotary_factor = fields["partial_rotary_factor"]
     if args.model == "deepseek_v3":
         use_current_mla_field_names()
     bridge = AutoBridge.from_config(config, dtype=getattr(torch, args.dtype))
@@ -344,11 +370,12 @@ def build_bridge(args: argparse.Namespace, shape: Shape):
 
     def local_spec(vp_stage=None):
         c = bridge.config
-        if c.multi_latent_attention:  # dense layers, then MoE ones (moe_layer_freq): a block spec
+        if isinstance(c.moe_layer_freq, list):  # dense layers, then MoE ones: a block spec
             block = get_gpt_decoder_block_spec(c, use_transformer_engine=False, normalization=c.normalization,
                                                vp_stage=vp_stage)
-            for layer in block.layer_specs:
-                layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
+            if c.multi_latent_attention:
+                for layer in block.layer_specs:
+                    layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
             return block
         return get_gpt_layer_local_spec(
             num_experts=c.num_moe_experts, moe_grouped_gemm=c.moe_grouped_gemm, qk_layernorm=c.qk_layernorm,
@@ -420,6 +447,53 @@ class TENamedView:
 
     def state_dict(self):
         return dict(self.params + self.buffers)
+
+
+def te_spec_keys(model: torch.nn.Module, sharded: dict) -> dict:
+    """The model's sharded state dict under the checkpoint keys Megatron-Core 0.16.1's
+    TransformerEngine spec (`get_gpt_layer_with_transformer_engine_spec`) saves the same tensors
+    with, where they differ from the local spec's (`get_gpt_layer_local_spec`, whose
+    `sharded_state_dict_keys_map` already gives dense layers TE's fused norm names):
+    - an MoE layer's pre-MLP norm is TE's `TENorm`, `pre_mlp_layernorm.weight`, where the local
+      spec's keys map names it `mlp.linear_fc1.layer_norm_weight`;
+    - multi-latent attention fuses the q and kv latent norms into `linear_q_up_proj` and
+      `linear_kv_up_proj` (`TELayerNormColumnParallelLinear`: `layer_norm_weight`), and a dense
+      layer's pre-MLP norm into `mlp.linear_fc1` (its `pre_mlp_layernorm` is IdentityOp);
+    - TE's `TEDotProductAttention` saves an `_extra_state` of its own (`core_attention`).
+    The keys are changed on the saved objects only: the dict's keys (the modules' paths) stay."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    def layer_of(path: str):
+        parts = path.split(".")
+        return model.decoder.layers[int(parts[2])] if parts[:2] == ["decoder", "layers"] else None
+
+    renamed = {}
+    for path, item in sharded.items():
+        layer = layer_of(path)
+        if layer is not None and isinstance(item, ShardedTensor):
+            moe = isinstance(layer.mlp, MoELayer)
+            if model.config.multi_latent_attention:
+                renames = {".self_attention.q_layernorm.weight": ".self_attention.linear_q_up_proj.layer_norm_weight",
+                           ".self_attention.kv_layernorm.weight": ".self_attention.linear_kv_up_proj.layer_norm_weight"}
+                if not moe:
+                    renames[".pre_mlp_layernorm.weight"] = ".mlp.linear_fc1.layer_norm_weight"
+            else:
+                renames = {".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight"} if moe else {}
+            for local, te in renames.items():
+                if item.key.endswith(local):
+                    item = dataclasses.replace(item, key=item.key[: -len(local)] + te)
+        renamed[path] = item
+        if layer is not None and isinstance(item, ShardedObject) and path.endswith(".self_attention.linear_proj._extra_state"):
+            attention = path.replace(".linear_proj.", ".core_attention.")
+            renamed[attention] = dataclasses.replace(item, key=item.key.replace(".linear_proj.", ".core_attention."), data=None)
+    return renamed
+
+
+def model_sharded_state_dict(args: argparse.Namespace, model: torch.nn.Module, metadata: dict | None = None) -> dict:
+    """The model's sharded state dict under the names of the layer spec `--names` saves with."""
+    sharded = model.sharded_state_dict(metadata=metadata)
+    return te_spec_keys(model, sharded) if args.names == "te" else sharded
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -561,7 +635,7 @@ def save(args: argparse.Namespace, ddp, optimizer, scheduler) -> None:
     metadata = dict(distrib_optim_sharding_type=args.optimizer or "dp_reshardable", singleton_local_shards=False,
                     chained_optim_avoid_prefix=True,
                     dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    state = {"model": unwrap(ddp).sharded_state_dict(metadata=metadata)}
+    state = {"model": model_sharded_state_dict(args, unwrap(ddp), metadata)}
     if args.optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=metadata)
         state["lr_scheduler" if args.layout == "verl" else "opt_param_scheduler"] = scheduler.state_dict()
@@ -617,8 +691,10 @@ def reloaded_in_float32(args: argparse.Namespace, shape: Shape) -> torch.nn.Modu
     model = build_bridge(float32, shape)._model_provider([])(
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
     )
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint_dir(args))
-    model.load_state_dict(state["model"])
+    sharded = model_sharded_state_dict(args, model)
+    state = dist_checkpointing.load({"model": sharded}, checkpoint_dir(args))
+    own = model.state_dict()  # TE's attention state, which --names te adds, is not the local model's
+    model.load_state_dict({path: value for path, value in state["model"].items() if path in own})
     return model
 
 
@@ -726,6 +802,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="train with the distributed optimizer and save its state, in this format (default dp_reshardable)",
     )
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--names", choices=["local", "te"], default="local",
+                        help="save under the local layer spec's checkpoint keys or TransformerEngine's (`te_spec_keys`)")
     args = parser.parse_args(argv)
     world = args.tp * args.pp * args.ep
     if world > MAX_RANKS:
@@ -737,6 +815,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.tp > 1 and args.model in MOE_MODELS:
         parser.error("Megatron's MoE layer trains with TP only under sequence parallelism, which the local "
                      "spec's torch norm refuses: MoE models take --tp 1")
+    if args.names == "te" and args.optimizer:
+        parser.error("--names te renames the model's keys, which the distributed optimizer's state is keyed by: "
+                     "it takes no --optimizer")
     if args.experts == "grouped" and args.dtype != "bfloat16":
         parser.error("Megatron's GroupedMLP computes in bfloat16 only: --experts grouped takes --dtype bfloat16")
     return args
