@@ -140,6 +140,72 @@ def test_moe_experts_come_back_from_their_layer_and_expert_index(architecture):
         assert torch.equal(tensors[name], tensor), name
 
 
+def vision_language_state(hf, config):
+    """A Qwen2.5-VL's `hf` laid out as Megatron-Core saves it through mbridge: the language model
+    under `language_model.`, the vision tower under `vision_model.`, its fused qkv rows a head at
+    a time, [q ; k ; v]."""
+    text = {name: tensor for name, tensor in hf.items() if not name.startswith("visual.")}
+    state = {f"language_model.{name}": tensor for name, tensor in megatron_state(text, config.text_config).items()}
+    vision = config.vision_config
+    heads, head_dim = vision.num_heads, vision.hidden_size // vision.num_heads
+
+    def stacked(name):
+        return torch.stack([hf[name.format(L=index)] for index in range(vision.depth)])
+
+    def per_head(name):  # [all q ; all k ; all v] -> [q ; k ; v] of each head in turn
+        parts = stacked(name).unflatten(1, (3, heads, head_dim))
+        return parts.transpose(1, 2).flatten(1, 3)
+
+    def gate_up(kind):
+        return torch.cat([stacked(f"visual.blocks.{{L}}.mlp.{part}_proj.{kind}") for part in ("gate", "up")], dim=1)
+
+    layers = "vision_model.decoder.layers."
+    state.update({
+        "vision_model.patch_embed.proj.weight": hf["visual.patch_embed.proj.weight"],
+        layers + "self_attention.linear_qkv.layer_norm_weight": stacked("visual.blocks.{L}.norm1.weight"),
+        layers + "self_attention.linear_qkv.weight": per_head("visual.blocks.{L}.attn.qkv.weight"),
+        layers + "self_attention.linear_qkv.bias": per_head("visual.blocks.{L}.attn.qkv.bias"),
+        layers + "self_attention.linear_proj.weight": stacked("visual.blocks.{L}.attn.proj.weight"),
+        layers + "self_attention.linear_proj.bias": stacked("visual.blocks.{L}.attn.proj.bias"),
+        layers + "mlp.linear_fc1.layer_norm_weight": stacked("visual.blocks.{L}.norm2.weight"),
+        layers + "mlp.linear_fc1.weight": gate_up("weight"),
+        layers + "mlp.linear_fc1.bias": gate_up("bias"),
+        layers + "mlp.linear_fc2.weight": stacked("visual.blocks.{L}.mlp.down_proj.weight"),
+        layers + "mlp.linear_fc2.bias": stacked("visual.blocks.{L}.mlp.down_proj.bias"),
+        "vision_model.decoder.final_layernorm.weight": hf["visual.merger.ln_q.weight"],
+    })
+    for index, fc in ((0, "linear_fc1"), (2, "linear_fc2")):
+        for kind in ("weight", "bias"):
+            state[f"vision_model.projection.encoder.{fc}.{kind}"] = hf[f"visual.merger.mlp.{index}.{kind}"]
+    return state
+
+
+def test_a_vision_language_model_comes_back_from_both_towers():
+    """Qwen2.5-VL: its language model and vision tower (each head's q, k and v rows gathered
+    into Hugging Face's [all q ; all k ; all v]) tensor for tensor; the tied head is left out.
+    tests/test_megatron.py checks the same against mbridge's own conversion."""
+    config = tiny_format_config("qwen2_5_vl")
+    hf = hf_state(config)
+    state = vision_language_state(hf, config)
+    assert megatron_names(state) and not megatron_names(hf)
+    planning, tensors = exported(state, formats_of(config, state))
+    assert planning.naming == "megatron" and "lm_head.weight" not in tensors
+    assert set(tensors) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
+def test_a_vision_tower_with_other_heads_than_the_checkpoint_is_one_line():
+    """A head count that does not cut the saved qkv rows into whole heads is refused by name.
+    (One that does, with the same width, fits every shape: only config.json tells it.)"""
+    config = tiny_format_config("qwen2_5_vl")
+    state = vision_language_state(hf_state(config), config)
+    config.vision_config.num_heads = 3
+    with pytest.raises(ExportError, match=r"'vision_model\.decoder\.layers\.self_attention\.linear_qkv\.(weight|bias)' has shape "
+                                          r"\[2, 96.*\], not 3 heads of q, k and v rows \(10 each.*check --hf-config"):
+        formats_of(config, state)
+
+
 def test_layers_saved_apart_are_found_by_their_layer_number():
     """Where a model's layers differ (DeepSeek-V3's dense then MoE ones), Megatron-Core saves
     each layer's tensors apart, as `decoder.layers.<L>.X` with no layer axis."""

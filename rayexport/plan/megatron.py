@@ -12,7 +12,9 @@ Norms are saved under TransformerEngine's fused names even by the local layer sp
 (DeepSeek-V3's dense, then MoE ones) each is saved apart, `decoder.layers.<L>.X`, with no layer
 axis. Multi-latent attention's projections (DeepSeek-V3) are saved unfused, one tensor each.
 So each Hugging Face tensor is a box of one saved tensor: a layer (and expert) index, a block of
-rows.
+rows. A vision-language model (mbridge's Qwen2.5-VL) saves its language model's tensors under
+`language_model.` and its vision tower's under `vision_model.`, whose `linear_qkv` rows come a
+head at a time, [q ; k ; v], where Hugging Face's fused `qkv` is [all q ; all k ; all v].
 
 The rules are written out here rather than by calling Megatron's or mbridge's conversions: those
 import Megatron-Core, which needs a torch of its own and builds the whole model. tests/test_megatron.py
@@ -34,8 +36,8 @@ Index = tuple[tuple[str, int], ...]  # a position on a saved tensor's leading ax
 
 # How an on-disk tensor is cut from its saved tensor: all of it (after the layer/expert index),
 # the vocabulary's rows (Megatron pads the vocabulary), a query group's q, k or v rows, the gate
-# or up half of `linear_fc1`.
-WHOLE, VOCAB, Q, K, V, GATE, UP = "whole", "vocab", "q", "k", "v", "gate", "up"
+# or up half of `linear_fc1`, or every head's q, k and v rows in turn (a fused `qkv`).
+WHOLE, VOCAB, Q, K, V, GATE, UP, QKV = "whole", "vocab", "q", "k", "v", "gate", "up", "qkv"
 
 _LAYERS = "decoder.layers."
 _ATTENTION = _LAYERS + "self_attention."
@@ -93,14 +95,56 @@ _RULES = (
     ("model.layers.{L}.mlp.shared_expert.down_proj.weight", (_SHARED + "linear_fc2.weight",), WHOLE),
     ("model.layers.{L}.mlp.shared_expert_gate.weight", (_SHARED + "gate_weight",), WHOLE),
 )
-_PATTERNS = tuple(
-    (re.compile("^" + re.escape(disk).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)") + "$"), saved, cut)
-    for disk, saved, cut in _RULES
+_VISION = "vision_model."
+_VISION_LAYERS = _VISION + _LAYERS
+# Qwen2.5-VL's vision tower (mbridge's names): each block's fused attention and gated MLP, with
+# biases; the merger's norm is the tower's final norm, its MLP Megatron's projection.
+_VISION_RULES = (
+    ("visual.patch_embed.proj.weight", (_VISION + "patch_embed.proj.weight",), WHOLE),
+    ("visual.blocks.{L}.norm1.weight", (_VISION_LAYERS + "self_attention.linear_qkv.layer_norm_weight",), WHOLE),
+    ("visual.blocks.{L}.attn.qkv.weight", (_VISION_LAYERS + "self_attention.linear_qkv.weight",), QKV),
+    ("visual.blocks.{L}.attn.qkv.bias", (_VISION_LAYERS + "self_attention.linear_qkv.bias",), QKV),
+    ("visual.blocks.{L}.attn.proj.weight", (_VISION_LAYERS + "self_attention.linear_proj.weight",), WHOLE),
+    ("visual.blocks.{L}.attn.proj.bias", (_VISION_LAYERS + "self_attention.linear_proj.bias",), WHOLE),
+    ("visual.blocks.{L}.norm2.weight", (_VISION_LAYERS + "mlp.linear_fc1.layer_norm_weight",), WHOLE),
+    ("visual.blocks.{L}.mlp.gate_proj.weight", (_VISION_LAYERS + "mlp.linear_fc1.weight",), GATE),
+    ("visual.blocks.{L}.mlp.up_proj.weight", (_VISION_LAYERS + "mlp.linear_fc1.weight",), UP),
+    ("visual.blocks.{L}.mlp.gate_proj.bias", (_VISION_LAYERS + "mlp.linear_fc1.bias",), GATE),
+    ("visual.blocks.{L}.mlp.up_proj.bias", (_VISION_LAYERS + "mlp.linear_fc1.bias",), UP),
+    ("visual.blocks.{L}.mlp.down_proj.weight", (_VISION_LAYERS + "mlp.linear_fc2.weight",), WHOLE),
+    ("visual.blocks.{L}.mlp.down_proj.bias", (_VISION_LAYERS + "mlp.linear_fc2.bias",), WHOLE),
+    ("visual.merger.ln_q.weight", (_VISION + "decoder.final_layernorm.weight",), WHOLE),
+    ("visual.merger.mlp.0.weight", (_VISION + "projection.encoder.linear_fc1.weight",), WHOLE),
+    ("visual.merger.mlp.0.bias", (_VISION + "projection.encoder.linear_fc1.bias",), WHOLE),
+    ("visual.merger.mlp.2.weight", (_VISION + "projection.encoder.linear_fc2.weight",), WHOLE),
+    ("visual.merger.mlp.2.bias", (_VISION + "projection.encoder.linear_fc2.bias",), WHOLE),
 )
+# The language model's prefix in the Megatron-Core names of each vision-language model type.
+_LANGUAGE_PREFIXES = {"qwen2_5_vl": "language_model."}
+
+
+def _patterns(rules, prefix: str = ""):
+    """`rules` as (pattern of on-disk names, the Megatron names they are saved under, with
+    `prefix`, the cut)."""
+    return tuple(
+        (re.compile("^" + re.escape(disk).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)") + "$"),
+         tuple(prefix + name for name in saved), cut)
+        for disk, saved, cut in rules
+    )
+
+
+_TEXT_PATTERNS = _patterns(_RULES)
+_VLM_PATTERNS = {
+    model_type: _patterns(_RULES, prefix) + _patterns(_VISION_RULES) for model_type, prefix in _LANGUAGE_PREFIXES.items()
+}
 # The Hugging Face model types whose every tensor the rules above name.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe",
+               *_LANGUAGE_PREFIXES)
 # Names only Megatron-Core gives, to recognise its checkpoints by.
-_SIGNATURES = re.compile(r"^(embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.(layers|final_layernorm)\..*)$")
+_SIGNATURES = re.compile(
+    r"^(language_model\.|vision_model\.)?"
+    r"(embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.(layers|final_layernorm)\..*)$"
+)
 
 
 def megatron_names(names: Iterable[str]) -> list[str]:
@@ -127,40 +171,42 @@ def megatron_naming(config: dict, disk: Naming, saved: Saved) -> ProducerNaming:
             f"Megatron-Core checkpoints of model type '{model_type}' are not mapped to Hugging Face names "
             f"(rayexport maps {', '.join(MODEL_TYPES)}); check --hf-config"
         )
+    patterns = _VLM_PATTERNS.get(model_type, _TEXT_PATTERNS)
     rows = _attention_rows(config)
     expected: Saved = {}
     tiles: dict[str, tuple[Tile, ...]] = {}
     for name, (shape, _) in disk.expected.items():
-        source, index, cut = _source_of(name, saved, disk.aliases)
+        source, index, cut = _source_of(name, saved, disk.aliases, patterns)
         if source not in saved:
             continue  # a tied alias the checkpoint does not hold
         expected[source] = saved[source]
         tiles[name] = _cut(name, source, saved[source][0], index, tuple(shape), cut, rows)
     aliases = {}
     for alias, canonical in disk.aliases.items():
-        alias_source, canonical_source = (_source_of(name, saved, disk.aliases)[0] for name in (alias, canonical))
+        alias_source, canonical_source = (_source_of(name, saved, disk.aliases, patterns)[0] for name in (alias, canonical))
         if canonical_source in expected:
             aliases[alias_source] = canonical_source
             expected.setdefault(alias_source, expected[canonical_source])
     return ProducerNaming(Naming(expected, aliases), tiles)
 
 
-def _source_of(name: str, saved: Saved, aliases: dict[str, str]) -> tuple[str, Index, str]:
+def _source_of(name: str, saved: Saved, aliases: dict[str, str], patterns) -> tuple[str, Index, str]:
     """The saved tensor that on-disk tensor `name` is cut from, where in it (a layer and an expert
-    index on its leading axes), and the cut; of the saved names that can hold it, the one the
-    checkpoint has. A layer's tensors are stacked on a leading axis (`decoder.layers.X`) unless
-    its layers differ (dense and MoE ones, as DeepSeek-V3's): then each layer's are saved apart,
-    as `decoder.layers.<L>.X`."""
+    index on its leading axes), and the cut; of the saved names (in `patterns`) that can hold it,
+    the one the checkpoint has. A layer's tensors are stacked on a leading axis
+    (`decoder.layers.X`) unless its layers differ (dense and MoE ones, as DeepSeek-V3's): then
+    each layer's are saved apart, as `decoder.layers.<L>.X`."""
     candidates = []
-    for pattern, sources, cut in _PATTERNS:
+    for pattern, sources, cut in patterns:
         found = pattern.match(name)
         if not found:
             continue
         index = tuple((axis, int(position)) for axis, position in found.groupdict().items() if position is not None)
         for source in sources:
             candidates.append((source, index, cut))
-            if index and index[0][0] == "L" and source.startswith(_LAYERS):
-                candidates.append((f"{_LAYERS}{index[0][1]}.{source[len(_LAYERS):]}", index[1:], cut))
+            tower, layers, rest = source.partition(_LAYERS)
+            if index and index[0][0] == "L" and layers:
+                candidates.append((f"{tower}{_LAYERS}{index[0][1]}.{rest}", index[1:], cut))
     if not candidates:
         raise ExportError(f"tensor '{name}' of the config's model has no Megatron-Core name rayexport knows")
     held = next((candidate for candidate in candidates if candidate[0] in saved), None)
@@ -169,12 +215,18 @@ def _source_of(name: str, saved: Saved, aliases: dict[str, str]) -> tuple[str, I
     return held or candidates[0]
 
 
-def _attention_rows(config: dict) -> dict[str, int]:
-    """The sizes that place q, k and v rows in `linear_qkv`: heads, query groups, head size."""
-    heads = config["num_attention_heads"]
-    groups = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return {"heads": heads, "groups": groups, "head_dim": head_dim}
+def _attention_rows(config: dict) -> dict[str, dict[str, int]]:
+    """The sizes that place q, k and v rows in `linear_qkv`, by cut (Q, K and V: the language
+    model's, QKV: the vision tower's): heads, query groups, head size."""
+    text = config.get("text_config") or config
+    heads = text["num_attention_heads"]
+    groups = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    rows = dict.fromkeys((Q, K, V), {"heads": heads, "groups": groups, "head_dim": head_dim})
+    if vision := config.get("vision_config"):
+        heads = vision["num_heads"]
+        rows[QKV] = {"heads": heads, "groups": heads, "head_dim": vision["hidden_size"] // heads}
+    return rows
 
 
 def _cut(
@@ -193,7 +245,9 @@ def _cut(
     inner = source_shape[len(index):]
     positions = tuple(position for _, position in index)
     if cut in (Q, K, V):
-        return _attention_tiles(name, source, source_shape, positions, shape, cut, rows)
+        return _attention_tiles(name, source, source_shape, positions, shape, cut, rows[cut])
+    if cut == QKV:
+        return _fused_attention_tiles(name, source, source_shape, positions, shape, rows[cut])
     if cut == VOCAB:  # rows past the vocabulary are Megatron's padding, dropped
         blocks, fits = [(0, 0, shape[0])], inner[1:] == shape[1:] and inner[0] >= shape[0]
     elif cut in (GATE, UP):
@@ -230,6 +284,25 @@ def _attention_tiles(
     if shape[0] != groups * length:
         raise ExportError(f"'{name}' has {shape[0]} rows, not the {groups * length} that '{source}' holds for it")
     return _boxes(source, index, shape, [(group * length, group * block + start, length) for group in range(groups)])
+
+
+def _fused_attention_tiles(
+    name: str, source: str, source_shape: tuple[int, ...], index: tuple[int, ...], shape: tuple[int, ...],
+    rows: dict[str, int],
+) -> tuple[Tile, ...]:
+    """A fused `qkv` (weight or bias) at layer `index`: every head's q rows, then every head's k
+    rows, then v's, from `linear_qkv`, whose rows come a head at a time, [q ; k ; v]."""
+    heads, head_dim = rows["heads"], rows["head_dim"]
+    inner = source_shape[len(index):]
+    if inner != shape or shape[0] != 3 * heads * head_dim:
+        raise ExportError(
+            f"Megatron-Core tensor '{source}' has shape {list(source_shape)}, not {heads} heads of q, k and v rows "
+            f"({head_dim} each, the config's sizes) for '{name}' of shape {list(shape)}; check --hf-config"
+        )
+    return _boxes(source, index, shape, [
+        ((part * heads + head) * head_dim, (3 * head + part) * head_dim, head_dim)
+        for part in range(3) for head in range(heads)
+    ])
 
 
 def _boxes(
