@@ -1,12 +1,14 @@
 """The Megatron-Core checkpoints the session's tests share: each written once, by Megatron-Core's
 own code (`megatron_save.py`, run with the Python of `megatron_env.megatron_python`), into a
-folder of its own, with mbridge's export and Megatron's logits beside it (`reference/`)."""
+folder of its own, with mbridge's export and Megatron's logits beside it (`reference/`); and
+`VLM_CASE`, a Qwen2.5-VL made from mbridge's conversion tables (`megatron_vlm.py` says why)."""
 
 from __future__ import annotations
 
 import os
 
 from support.megatron_env import megatron_python
+from support.megatron_vlm import write_qwen2_5_vl
 from support.virtualenvs import MEGATRON_CACHE, write_cases
 
 SAVE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_save.py")
@@ -33,10 +35,16 @@ CASES = {
 }
 
 
+VLM_CASE = "qwen2_5_vl-mbridge-conversion"
+
+
 def write_megatron_checkpoints(root: str) -> dict[str, str]:
-    """Every case of `CASES` saved under `root`, by name, by one Megatron process; the folder
-    each was saved in."""
-    return write_cases(megatron_python(MEGATRON_CACHE), SAVE_SCRIPT, root, CASES, timeout=1200)
+    """Every case of `CASES` saved under `root`, by name, by one Megatron process, and
+    `VLM_CASE`; the folder each was saved in."""
+    python = megatron_python(MEGATRON_CACHE)
+    folders = write_cases(python, SAVE_SCRIPT, root, CASES, timeout=1200)
+    folders[VLM_CASE] = write_qwen2_5_vl(os.path.join(root, VLM_CASE), python)
+    return folders
 
 
 def source_of(folder: str) -> tuple[str, list[str]]:
