@@ -30,6 +30,7 @@ import torch
 
 
 def bridge_of(config_file: str):
+    """mbridge's bridge for the model of `config_file`, of one rank, with the config fields it reads."""
     from mbridge.core.bridge import _MODEL_REGISTRY
     from mbridge.core.parallel_states import ParallelStates
     from transformers import AutoConfig

@@ -7,7 +7,7 @@ stacks them, written with torch DCP beside Megatron's `metadata.json`, laid out 
 Megatron backend saves (`actor/dist_ckpt/`, `actor/huggingface/` with the image processor).
 
 `reference/` holds mbridge's export of those tensors and the Hugging Face model's own outputs:
-text logits on `PROMPT_IDS` and the vision tower's image features on `PIXELS`."""
+text logits on `PROMPT_IDS` and the vision tower's image features on `pixels()`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch
 from support.models import PROMPT_IDS, build_format_model, tiny_format_config
 
 CONVERSION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mbridge_conversion.py")
-TORCH_DIST = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+# What Megatron-Core 0.16.1 writes to metadata.json (its `CheckpointingConfig`)
+TORCH_DIST = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 GRID = [[1, 4, 4]]  # one image of 4 x 4 patches (one frame)
 _PER_LAYER = re.compile(r"^(?P<tower>\w+\.decoder\.layers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
 
@@ -39,8 +40,7 @@ def outputs(model) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROMPT_IDS)).logits
         features = model.model.get_image_features(pixels(model.config), torch.tensor(GRID)).pooler_output
-    features = torch.cat(features) if isinstance(features, (list, tuple)) else features
-    return {"logits": logits, "image_features": features}
+    return {"logits": logits, "image_features": torch.cat(features)}  # one tensor per image
 
 
 def stacked_layers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
