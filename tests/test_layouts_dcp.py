@@ -18,8 +18,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from rayexport.common.errors import ExportError
 from rayexport.common.scan import is_finite
-from rayexport.layouts.dcp import find_dcp_checkpoint, read_file_chunks, read_tensors
-from rayexport.layouts.dcp_metadata import DCP_METADATA
+from rayexport.layouts.dcp import find_dcp_checkpoint, read_tensors
+from rayexport.layouts.dcp_chunks import list_chunks, read_in_place, share_chunks, slot_chunks
+from rayexport.layouts.dcp_metadata import DCP_METADATA, read_metadata
 from rayexport.layouts.dcp_spool import spool_offsets
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.registry import detect_layout, find_checkpoint, snapshot
@@ -169,27 +170,67 @@ def test_read_tensors_returns_exactly_the_requested_tensors(written, name, tmp_p
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-def test_each_file_read_alone_gives_its_chunks_which_together_rebuild_every_tensor(written, name, tmp_path):
-    """How a checkpoint spread over nodes is read: file by file, each file's chunks placed by
-    their offsets, and nothing read from any other file."""
+def test_each_file_read_alone_gives_its_chunks_in_place_which_together_rebuild_every_tensor(written, name, tmp_path):
+    """How a checkpoint spread over nodes is read: file by file, each chunk a view of its bytes
+    where they lie in the file (nothing spooled), placed by its offset, and nothing read from any
+    other file."""
     store = Store(written[name].path)
     checkpoint = find_dcp_checkpoint(store)
     reference = written[name].reference
     rebuilt = {key: torch.full_like(tensor, float("nan")) for key, tensor in reference.items()}
+    chunks = list_chunks(checkpoint.tensors, read_metadata(store), store.uri)
     files = sorted(checkpoint.read_files())
-    assert len(files) == 3
+    assert len(files) == 3 and {chunk.file for chunk in chunks} == set(files)
+    shapes = {key: tensor.shape for key, tensor in checkpoint.tensors.items()}
     for file in files:
         alone = tmp_path / file
         alone.mkdir()
-        os.symlink(os.path.join(store.path(), DCP_METADATA), alone / DCP_METADATA)
         os.symlink(os.path.join(store.path(), file), alone / file)  # the only data file it can reach
-        chunks = read_file_chunks(dataclasses.replace(checkpoint, store=Store(str(alone))), file, str(tmp_path))
-        for key, info in chunks.describe().items():
-            assert info.global_shape == tuple(reference[key].shape) and info.offset is not None
-            region = tuple(slice(start, start + size) for start, size in zip(info.offset, info.local_shape))
-            rebuilt[key][region] = chunks[key]
+        for slot in slot_chunks([chunk for chunk in chunks if chunk.file == file]):
+            held = read_in_place(Store(str(alone)), slot, shapes)
+            assert held.mapped_ranges()  # views of the file itself
+            for key, info in held.describe().items():
+                assert info.global_shape == tuple(reference[key].shape) and info.offset is not None
+                region = tuple(slice(start, start + size) for start, size in zip(info.offset, info.local_shape))
+                rebuilt[key][region] = held[key]
     for key, tensor in reference.items():
         assert torch.equal(rebuilt[key], tensor), key
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_chunks_are_shared_by_bytes_with_tied_boxes_together(written, workers):
+    """Every saved chunk goes to exactly one worker, the shares within the largest chunk of each
+    other, and each box of a tied pair lands with its twin, in the same slot."""
+    store = Store(written["tied"].path)
+    checkpoint = find_dcp_checkpoint(store)
+    chunks = list_chunks(checkpoint.tensors, read_metadata(store), store.uri)
+    tie_groups = {"lm_head.weight": "model.embed_tokens.weight"}
+    shares = share_chunks(chunks, workers, tie_groups)
+    shared = [chunk for share in shares.values() for chunk in share]
+    assert len(shared) == len(chunks) and set(shared) == set(chunks)
+    loads = [sum(chunk.nbytes for chunk in shares.get(worker, [])) for worker in range(workers)]
+    largest_unit = max(chunk.nbytes for chunk in chunks) * 2
+    assert max(loads) - min(loads) <= largest_unit
+    for share in shares.values():
+        for slot in slot_chunks(share):
+            keys = [chunk.key for chunk in slot]
+            assert len(keys) == len(set(keys))  # a pseudo-rank holds one chunk of a tensor
+            boxes = {chunk.key: chunk.offset for chunk in slot}
+            if "lm_head.weight" in boxes or "model.embed_tokens.weight" in boxes:
+                assert boxes.get("lm_head.weight") == boxes.get("model.embed_tokens.weight")
+
+
+def test_a_record_that_does_not_match_its_metadata_is_one_line(written, tmp_path):
+    """A `.distcp` file rewritten since `.metadata` was read: the chunk's record is refused by
+    name, not read as other bytes."""
+    folder = copy_checkpoint(written["flat"].path, tmp_path / "ckpt")
+    store = Store(folder)
+    checkpoint = find_dcp_checkpoint(store)
+    chunks = list_chunks(checkpoint.tensors, read_metadata(store), store.uri)
+    chunk = max(chunks, key=lambda chunk: chunk.nbytes)
+    shifted = dataclasses.replace(chunk, start=chunk.start + 1)
+    with pytest.raises(ExportError, match=f"'{chunk.key}'|{chunk.file}"):
+        read_in_place(store, [shifted], {key: tensor.shape for key, tensor in checkpoint.tensors.items()})
 
 
 def test_read_tensors_from_s3(written, s3_endpoint, tmp_path):

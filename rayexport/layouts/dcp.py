@@ -1,23 +1,22 @@
 """PyTorch Distributed Checkpoint (DCP) layout: `__{rank}_{n}.distcp` files plus `.metadata`, as
 FSDP2 training loops, torchtitan, accelerate and `torch.distributed.checkpoint.save` write them.
 
-Everything goes through torch's own DCP machinery: its storage reader parses `.metadata` (every
-key's global shape, dtype and chunks), and `torch.distributed.checkpoint.load` without a process
-group fills whole tensors from whichever chunks of whichever rank files hold them. A remote
-checkpoint is read in place with torch's fsspec reader, one ranged request per chunk. A worker's
-tensors land, a chunk at a time, in one local spool file it memory-maps (`dcp_spool`), so that
-its memory stays at about a chunk while it reads, and at the transfer window after. Files spread
-over the nodes of a cluster are read a file at a time instead, each on its own node.
+`.metadata` (every key's global shape, dtype and chunks) is unpickled from an allow-list
+(`dcp_metadata`). Where the `.distcp` files are on a filesystem the workers see (local, shared,
+or each on its own node's disk), the workers share the saved chunks by bytes and map each one
+where it lies (`dcp_chunks`): no copy, and no local disk. From object storage,
+`torch.distributed.checkpoint.load` without a process group fills whole tensors from the chunks
+that hold them, one ranged request each, into one local spool file a worker memory-maps
+(`dcp_spool`), so that its memory stays at about a chunk while it reads, and at the transfer
+window after.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import (
     HF_DIR, Advance, Checkpoint, KeyMapping, Loaded, LoadStep, SourceSettings, SourceTensors, marker_snapshot,
@@ -64,12 +63,12 @@ class DcpCheckpoint(Checkpoint):
     def share(
         self, num_workers: int, aliases: dict[str, str], load: LoadStep, file_readers: dict[str, int] | None = None
     ) -> Loaded:
-        """Each worker reads a byte-balanced share of whole tensors, tied copies together, and
-        holds them as its own pseudo-rank. Where `file_readers` places the files (spread over
-        nodes, no worker reaches them all), each worker reads the chunks of its own files
-        instead, a pseudo-rank per file."""
-        if file_readers is not None:
-            return self._share_files(load, file_readers)
+        """Where the files are local (or on a filesystem every worker mounts, or each on its
+        node's own disk, `file_readers`), each worker maps a byte-balanced share of the saved
+        chunks in place, tied tensors' same boxes together. From object storage each worker
+        reads a byte-balanced share of whole tensors, tied copies together, into its spool."""
+        if self.store.is_local or file_readers is not None:
+            return self._share_chunks(num_workers, aliases, load, file_readers)
         name_of = {key: name for name, key in model_names(self.tensors)[0].items()}
         sizes = {key: tensor.nbytes for key, tensor in self.tensors.items()}
         assignment = keep_ties_together(assign_by_bytes(sizes, num_workers), aliases, name_of)
@@ -77,24 +76,32 @@ class DcpCheckpoint(Checkpoint):
         holders = {key: {rank: infos[key]} for rank, infos in rank_infos.items() for key in infos}
         return Loaded(rank_infos, holders, {worker: worker for worker in range(num_workers)})
 
-    def _share_files(self, load: LoadStep, file_readers: dict[str, int]) -> Loaded:
-        # A file holding several chunks of one tensor (Megatron-Core saves a chunk per layer) is
-        # read as several pseudo-ranks, its slots, the k-th holding each tensor's k-th chunk there.
-        chunks = chunks_by_file(self)
-        ranks = [(name, slot) for name in sorted(file_readers) for slot in range(file_slots(chunks.get(name, {})))]
-        parts: dict[int, dict[int, tuple[str, int]]] = {}
-        for rank, (name, slot) in enumerate(ranks):
-            parts.setdefault(file_readers[name], {})[rank] = (name, slot)
-        rank_infos = load({worker: FilesPart(files) for worker, files in parts.items()})
-        worker_of_rank = {rank: file_readers[name] for rank, (name, _) in enumerate(ranks)}
+    def _share_chunks(
+        self, num_workers: int, aliases: dict[str, str], load: LoadStep, file_readers: dict[str, int] | None
+    ) -> Loaded:
+        from rayexport.layouts.dcp_chunks import list_chunks, share_chunks, slot_chunks
+
+        name_of = {key: name for name, key in model_names(self.tensors)[0].items()}
+        key_of = {name: key for key, name in name_of.items()}
+        tie_groups = {key: key_of.get(aliases.get(name, name), key) for key, name in name_of.items()}
+        chunks = list_chunks(self.tensors, read_metadata(self.store, self.unsafe_pickle), self.store.uri)
+        parts: dict[int, ChunksPart] = {}
+        worker_of_rank: dict[int, int] = {}
+        for worker, share in sorted(share_chunks(chunks, num_workers, tie_groups, file_readers).items()):
+            slots = {}
+            for slot in slot_chunks(share):
+                slots[len(worker_of_rank)] = tuple(slot)
+                worker_of_rank[len(worker_of_rank)] = worker
+            parts[worker] = ChunksPart(slots)
+        rank_infos = load(parts)
         return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
 
-    def part_bytes(self, part: "TensorsPart | FilesPart") -> int:
+    def part_bytes(self, part: "TensorsPart | ChunksPart") -> int:
         """The bytes a worker reads for `part`."""
         return part.nbytes(self)
 
-    def read(self, part: "TensorsPart | FilesPart", spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
-        """The tensors of `part`, read into this worker's spool."""
+    def read(self, part: "TensorsPart | ChunksPart", spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
+        """The tensors of `part`: chunks mapped in place, or whole tensors read into this worker's spool."""
         return part.read(self, spool_dir)
 
 
@@ -113,17 +120,22 @@ class TensorsPart:
 
 
 @dataclass(frozen=True)
-class FilesPart:
-    """Whole `.distcp` files one worker reads on its node: pseudo-rank -> (file name, slot), the
-    slot-th chunk of each of the model's tensors that the file holds."""
+class ChunksPart:
+    """Saved chunks one worker maps in place: pseudo-rank -> its chunks (`dcp_chunks.slot_chunks`)."""
 
-    files: dict[int, tuple[str, int]]
+    slots: dict[int, tuple]
 
     def nbytes(self, checkpoint: DcpCheckpoint) -> int:
-        return sum(checkpoint.store.size(name) for name in {name for name, _ in self.files.values()})
+        return sum(chunk.nbytes for chunks in self.slots.values() for chunk in chunks)
 
     def read(self, checkpoint: DcpCheckpoint, spool_dir: str) -> dict[int, SourceTensors]:
-        return {rank: read_file_chunks(checkpoint, name, spool_dir, slot) for rank, (name, slot) in self.files.items()}
+        from rayexport.layouts.dcp_chunks import read_in_place
+
+        shapes = {key: tensor.shape for key, tensor in checkpoint.tensors.items()}
+        return {
+            rank: read_in_place(checkpoint.store, list(chunks), shapes, checkpoint.unsafe_pickle)
+            for rank, chunks in self.slots.items()
+        }
 
 
 class DcpLayout:
@@ -225,61 +237,6 @@ def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> 
     wanted = [checkpoint.tensors[key] for key in keys]
     state, path = spool(store, metadata, wanted, spool_dir)
     return SpooledTensors({key: state[tensor.key] for key, tensor in zip(keys, wanted)}, path)
-
-
-Chunks = dict[str, dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]]
-
-
-def chunks_by_file(checkpoint: DcpCheckpoint, metadata: Metadata | None = None) -> Chunks:
-    """Per `.distcp` file, the (offset, sizes) of each chunk of each model tensor (model key) it
-    holds, in the order of their offsets."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    metadata = metadata or read_metadata(checkpoint.store, checkpoint.unsafe_pickle)
-    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    found: Chunks = {}
-    for model_key, tensor in checkpoint.tensors.items():
-        for chunk in metadata.state_dict_metadata[tensor.key].chunks:
-            name = getattr(storage.get(MetadataIndex(tensor.key, chunk.offsets)), "relative_path", None)
-            if name is not None:
-                place = (tuple(int(at) for at in chunk.offsets), tuple(int(size) for size in chunk.sizes))
-                found.setdefault(name, {}).setdefault(model_key, []).append(place)
-    for tensors in found.values():
-        for places in tensors.values():
-            places.sort()
-    return found
-
-
-def file_slots(chunks: dict[str, list]) -> int:
-    """How many pseudo-ranks a file whose chunks are `chunks` is read as: the most chunks it
-    holds of one tensor (at least one)."""
-    return max((len(places) for places in chunks.values()), default=1)
-
-
-def read_file_chunks(checkpoint: DcpCheckpoint, name: str, spool_dir: str, slot: int = 0) -> SpooledTensors:
-    """The `slot`-th chunk of each of the model's tensors that the `.distcp` file `name` holds,
-    read into one local spool file as `read_tensors` reads whole tensors, each described with its
-    offset in its tensor: how a checkpoint whose files are spread over nodes is read, on a node
-    that holds `name`, never touching another file."""
-    from rayexport.layouts.dcp_spool import SpooledTensors, spool
-
-    metadata = _unchanged_metadata(checkpoint, list(checkpoint.tensors))
-    chunks: dict[str, tuple[DcpTensor, tuple[int, ...]]] = {}
-    for model_key, places in chunks_by_file(checkpoint, metadata).get(name, {}).items():
-        if slot < len(places):
-            offset, sizes = places[slot]
-            tensor = checkpoint.tensors[model_key]
-            nbytes = math.prod(sizes) * dtype_of(tensor.dtype).itemsize
-            chunks[model_key] = DcpTensor(tensor.key, sizes, tensor.dtype, nbytes), offset
-    wanted = [chunk for chunk, _ in chunks.values()]
-    state, path = spool(
-        checkpoint.store, metadata, wanted, spool_dir, {chunk.key: offset for chunk, offset in chunks.values()}
-    )
-    return SpooledTensors(
-        {key: state[chunk.key] for key, (chunk, _) in chunks.items()},
-        path,
-        {key: (offset, checkpoint.tensors[key].shape) for key, (_, offset) in chunks.items()},
-    )
 
 
 def _unchanged_metadata(checkpoint: DcpCheckpoint, keys: list[str]) -> Metadata:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from rayexport.common.dtypes import dtype_of
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, load_ranks, MappedTensors, SourceSettings, SourceTensors
-from rayexport.layouts.mapped import mapped_ranges
+from rayexport.layouts.mapped import map_range, mapped_ranges
 from rayexport.layouts.torch_zip import StandIn, TensorRef, TorchZip
 from rayexport.plan.schedule import assign_ranks
 from rayexport.plan.shards import ShardInfo
@@ -366,7 +366,7 @@ def _read_rank(store: Store, rank: int, sources: tuple[Source, ...], spool_dir: 
                 spooled(len(data))
     spans = _spans(sources)
     mapped = {  # each span mapped once; every source is a view of its span
-        key: _map(path, offset, spans[key][2] - low, spans[key][0].dtype) for key, (path, offset, low) in placed.items()
+        key: map_range(path, offset, spans[key][2] - low, spans[key][0].dtype) for key, (path, offset, low) in placed.items()
     }
     tensors = {}
     for source in sources:
@@ -375,16 +375,3 @@ def _read_rank(store: Store, rank: int, sources: tuple[Source, ...], spool_dir: 
         tensors[source.name] = view if source.start is not None else view.view(source.shape)
     paths = [spool] if spool else sorted({store.path(source.file) for source in sources})
     return RunTensors(tensors, {source.name: source for source in sources}, paths)
-
-
-def _map(path: str, offset: int, count: int, dtype: str) -> torch.Tensor:
-    """`count` elements of `dtype` at byte `offset` of the file `path`, memory-mapped copy-on-write."""
-    import numpy as np
-    import torch
-
-    torch_dtype = dtype_of(dtype)
-    if count == 0:
-        return torch.empty(0, dtype=torch_dtype)
-    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(count * torch_dtype.itemsize,))
-    return torch.from_numpy(raw).view(torch_dtype)
-

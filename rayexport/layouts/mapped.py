@@ -13,10 +13,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rayexport.common.errors import ExportError
+from rayexport.common.dtypes import dtype_of
 from rayexport.storage.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 MADV_DONTNEED = 4
 
@@ -32,6 +36,19 @@ def local_file(store: Store, name: str, spool_dir: str, progress: Callable[[int]
     path = os.path.join(spool_dir, name)
     store.download(name, path, progress)
     return path
+
+
+def map_range(path: str, offset: int, count: int, dtype: str) -> torch.Tensor:
+    """`count` elements of `dtype` at byte `offset` of the file `path`, memory-mapped
+    copy-on-write (nothing is read until touched; `offset` need not be aligned)."""
+    import numpy as np
+    import torch
+
+    torch_dtype = dtype_of(dtype)
+    if count == 0:
+        return torch.empty(0, dtype=torch_dtype)
+    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(count * torch_dtype.itemsize,))
+    return torch.from_numpy(raw).view(torch_dtype)
 
 
 def mapped_ranges(path: str) -> list[tuple[int, int]]:

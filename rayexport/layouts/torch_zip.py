@@ -11,6 +11,7 @@ may name are built as inert stand-ins (`StandIn`); anything else refuses the fil
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import pickle
@@ -136,10 +137,12 @@ class _RecordUnpickler(pickle.Unpickler):
 
 
 class _RangeFile(io.RawIOBase):
-    """A read-only, seekable file over an object's byte ranges (what `zipfile` needs)."""
+    """A read-only, seekable file over an object's byte ranges (what `zipfile` needs): all of it,
+    or the `length` bytes from byte `start` (a zip held inside a larger file)."""
 
-    def __init__(self, store: Store, name: str) -> None:
-        self.store, self.name, self.position, self.length = store, name, 0, store.size(name)
+    def __init__(self, store: Store, name: str, start: int = 0, length: int | None = None) -> None:
+        self.store, self.name, self.start, self.position = store, name, start, 0
+        self.length = store.size(name) - start if length is None else length
 
     def readable(self) -> bool:
         return True
@@ -148,32 +151,43 @@ class _RangeFile(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.position = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence] + offset
-        return self.position
+        position = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence] + offset
+        if position < 0:  # as a file refuses it, which zipfile expects of a file too short to be a zip
+            raise OSError(errno.EINVAL, f"seek to byte {position} of '{self.name}'")
+        self.position = position
+        return position
 
     def tell(self) -> int:
         return self.position
 
     def readinto(self, buffer) -> int:
-        data = self.store.read_range(self.name, self.position, min(self.length, self.position + len(buffer)))
+        end = min(self.length, self.position + len(buffer))
+        data = self.store.read_range(self.name, self.start + self.position, self.start + end) if end > self.position else b""
         buffer[:len(data)] = data
         self.position += len(data)
         return len(data)
 
 
 class TorchZip:
-    """One `torch.save` zip file of `store`: its record and where each storage's bytes are."""
+    """One `torch.save` zip file of `store`: its record and where each storage's bytes are. With
+    `window` (start, length), the zip is those bytes of the object (as DCP's FileSystemWriter
+    writes each chunk into a `.distcp` file); every position given back is the object's."""
 
-    def __init__(self, store: Store, name: str, stand_ins: frozenset[str] = frozenset(), unsafe: bool = False) -> None:
+    def __init__(
+        self, store: Store, name: str, stand_ins: frozenset[str] = frozenset(), unsafe: bool = False,
+        window: tuple[int, int] | None = None,
+    ) -> None:
         self.store, self.name = store, name
+        self.start = window[0] if window else 0
         try:
-            self.zip = zipfile.ZipFile(io.BufferedReader(_RangeFile(store, name), buffer_size=64 * 1024))
+            file = _RangeFile(store, name, *(window or (0, None)))
+            self.zip = zipfile.ZipFile(io.BufferedReader(file, buffer_size=64 * 1024))
             pickles = [member for member in self.zip.namelist() if member.endswith("/data.pkl")]
             if len(pickles) != 1:
                 raise ExportError(f"'{store.display(name)}' is not a file torch.save wrote (no data.pkl)")
             self.root = pickles[0][:-len("data.pkl")]
             data = self.zip.read(pickles[0])
-        except zipfile.BadZipFile as error:
+        except (zipfile.BadZipFile, OSError) as error:  # OSError: a zip whose directory points outside it
             raise ExportError(f"'{store.display(name)}' cannot be read: {error}") from None
         try:
             self.record = _RecordUnpickler(data, stand_ins, unsafe).load()
@@ -197,9 +211,10 @@ class TorchZip:
             info = self.zip.getinfo(member)
         except KeyError:
             raise ExportError(f"'{self.store.display(self.name)}' has no storage '{tensor.key}'") from None
-        header = self.store.read_range(self.name, info.header_offset, info.header_offset + _ZIP_LOCAL_HEADER.size)
+        header_start = self.start + info.header_offset
+        header = self.store.read_range(self.name, header_start, header_start + _ZIP_LOCAL_HEADER.size)
         *_, name_length, extra_length = _ZIP_LOCAL_HEADER.unpack(header)
-        data_start = info.header_offset + _ZIP_LOCAL_HEADER.size + name_length + extra_length
+        data_start = header_start + _ZIP_LOCAL_HEADER.size + name_length + extra_length
         start = data_start + tensor.storage_offset * itemsize(tensor.dtype)
         end = start + tensor.numel * itemsize(tensor.dtype)
         if info.compress_type != zipfile.ZIP_STORED or end > data_start + info.file_size:

@@ -1,0 +1,169 @@
+"""A DCP checkpoint read in place: each saved chunk of each model tensor is the `torch.save`
+record that DCP's FileSystemWriter wrote at a byte range of a `.distcp` file, whose tensor bytes
+are memory-mapped where they lie, never copied to a spool. Workers share the chunks by bytes
+(`share_chunks`, pure), so a stacked Megatron tensor or an FSDP save's dim-0 shards spread over
+all of them; a worker holds its chunks as pseudo-ranks, the k-th of each tensor in its k-th
+(`slot_chunks`).
+
+How a file's records are found is written here rather than left to `torch.distributed.checkpoint.load`:
+torch's reader copies every chunk into a tensor the caller allocates, which for a worker's share
+means either its memory or a local spool file as large as the share (a 235B checkpoint's share
+is hundreds of GB), and re-reads `.metadata` for every call.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rayexport.common.dtypes import dtype_name, itemsize
+from rayexport.common.errors import ExportError
+from rayexport.layouts.base import Advance, MappedTensors
+from rayexport.layouts.mapped import map_range, mapped_ranges
+from rayexport.layouts.torch_zip import TensorRef, TorchZip
+from rayexport.plan.schedule import assign_by_bytes
+from rayexport.plan.shards import ShardInfo
+from rayexport.storage.store import Store
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from rayexport.layouts.dcp_metadata import DcpTensor
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    """One saved chunk of model tensor `key`: its box (`offset`, `sizes`) in the tensor, and the
+    byte range [start, start + length) of the `.distcp` file `file` that holds its record."""
+
+    key: str
+    offset: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    start: int
+    length: int
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.sizes) * itemsize(self.dtype)
+
+
+def list_chunks(tensors: dict[str, DcpTensor], metadata: Metadata, uri: str) -> list[DcpChunk]:
+    """Every saved chunk of `tensors` (by model key), as `.metadata` places them, in key order;
+    one line naming the tensor whose chunk no file holds, or whose record DCP transformed
+    (compressed) on save."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    chunks = []
+    for model_key, tensor in tensors.items():
+        seen = set()
+        for chunk in metadata.state_dict_metadata[tensor.key].chunks:
+            offset = tuple(int(at) for at in chunk.offsets)
+            if offset in seen:
+                continue
+            seen.add(offset)
+            info = storage.get(MetadataIndex(tensor.key, chunk.offsets))
+            if getattr(info, "relative_path", None) is None:
+                raise ExportError(f"no file of DCP checkpoint '{uri}' holds the chunk at {list(offset)} of '{tensor.key}'")
+            if getattr(info, "transform_descriptors", None):
+                raise ExportError(
+                    f"the chunks of '{tensor.key}' in DCP checkpoint '{uri}' were saved through "
+                    f"{', '.join(info.transform_descriptors)}, which rayexport does not read"
+                )
+            chunks.append(DcpChunk(
+                model_key, offset, tuple(int(size) for size in chunk.sizes), info.relative_path,
+                int(info.offset), int(info.length), tensor.dtype,
+            ))
+    return chunks
+
+
+def share_chunks(
+    chunks: list[DcpChunk], num_workers: int, tie_groups: dict[str, str], file_readers: dict[str, int] | None = None,
+) -> dict[int, list[DcpChunk]]:
+    """Each worker's chunks: about equal bytes each, the same box of tied tensors (`tie_groups`:
+    model key -> its group's canonical key) on one worker; where `file_readers` places the files,
+    each chunk on its file's reader."""
+    units: dict[tuple, list[DcpChunk]] = {}
+    for chunk in chunks:
+        units.setdefault((tie_groups.get(chunk.key, chunk.key), chunk.offset, chunk.sizes), []).append(chunk)
+    if file_readers is not None:
+        worker_of = {unit: file_readers[members[0].file] for unit, members in units.items()}
+    else:
+        names = {unit: f"{index:012d}" for index, unit in enumerate(units)}
+        sizes = {names[unit]: sum(chunk.nbytes for chunk in members) for unit, members in units.items()}
+        assigned = assign_by_bytes(sizes, num_workers)
+        worker_by_name = {name: worker for worker, keys in enumerate(assigned) for name in keys}
+        worker_of = {unit: worker_by_name[names[unit]] for unit in units}
+    shares: dict[int, list[DcpChunk]] = {}
+    for unit, members in units.items():
+        shares.setdefault(worker_of[unit], []).extend(members)
+    return shares
+
+
+def slot_chunks(chunks: list[DcpChunk]) -> list[list[DcpChunk]]:
+    """A worker's chunks as pseudo-ranks, each holding at most one chunk of a tensor: the k-th
+    slot the k-th chunk of each tensor (by offset), so that tied tensors saved in the same boxes
+    meet in the same slots, where they are compared."""
+    by_key: dict[str, list[DcpChunk]] = {}
+    for chunk in chunks:
+        by_key.setdefault(chunk.key, []).append(chunk)
+    slots: list[list[DcpChunk]] = []
+    for key in sorted(by_key):
+        for slot, chunk in enumerate(sorted(by_key[key], key=lambda chunk: chunk.offset)):
+            while len(slots) <= slot:
+                slots.append([])
+            slots[slot].append(chunk)
+    return slots
+
+
+class ChunkTensors(MappedTensors):
+    """One pseudo-rank's chunks, by model key: views of the `.distcp` files, mapped in place."""
+
+    def __init__(self, tensors: dict, chunks: dict[str, DcpChunk], shapes: dict[str, tuple[int, ...]], paths: list[str]):
+        super().__init__(tensors, None)
+        self.chunks, self.shapes, self.paths = chunks, shapes, paths
+
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        return [span for path in self.paths for span in mapped_ranges(path)]
+
+    def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
+        """Each chunk, placed in its tensor."""
+        infos = {}
+        for key, tensor in self.tensors.items():
+            chunk = self.chunks[key]
+            infos[key] = ShardInfo(
+                local_shape=chunk.sizes, dtype=dtype_name(tensor.dtype), global_shape=self.shapes[key], offset=chunk.offset,
+            )
+            advance(tensor.nbytes)
+        return infos
+
+
+def read_in_place(
+    store: Store, chunks: list[DcpChunk], shapes: dict[str, tuple[int, ...]], unsafe_pickle: bool = False,
+) -> ChunkTensors:
+    """The chunks' tensors, each a view of its bytes where they lie in a local (or shared
+    filesystem's) `.distcp` file, memory-mapped: nothing is read until the transfer touches it.
+    Each record is checked against `.metadata` (dtype, sizes), so a file rewritten since the plan
+    read it is refused in one line rather than read as other bytes."""
+    tensors, by_key = {}, {}
+    for chunk in sorted(chunks, key=lambda chunk: (chunk.file, chunk.start)):
+        where = f"the chunk at {list(chunk.offset)} of '{chunk.key}' in '{store.display(chunk.file)}'"
+        try:
+            record = TorchZip(store, chunk.file, unsafe=unsafe_pickle, window=(chunk.start, chunk.length))
+        except ExportError as error:
+            raise ExportError(f"{where} is not the torch.save record .metadata places there ({error})") from None
+        found = record.record
+        if not isinstance(found, TensorRef) or found.dtype != chunk.dtype or found.shape != chunk.sizes:
+            what = f"a {found.dtype} tensor of shape {list(found.shape)}" if isinstance(found, TensorRef) else "no tensor"
+            raise ExportError(
+                f"{where} holds {what}, not the {chunk.dtype} {list(chunk.sizes)} its .metadata lists: changed since it was listed?"
+            )
+        start, _ = record.byte_range(found)
+        tensors[chunk.key] = map_range(store.path(chunk.file), start, math.prod(chunk.sizes), chunk.dtype).view(chunk.sizes)
+        by_key[chunk.key] = chunk
+    paths = sorted({os.path.realpath(store.path(chunk.file)) for chunk in chunks})
+    return ChunkTensors(tensors, by_key, {key: shapes[key] for key in by_key}, paths)
