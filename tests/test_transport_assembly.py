@@ -95,13 +95,16 @@ def test_output_chunks_are_the_pieces_of_a_row_sharded_tensor():
 # --- the GPU a worker drives, and its staging buffers ------------------------------------------
 
 
-def test_runs_across_rows_are_assembled_into_their_places():
-    """A ZeRO-partitioned weight: runs of its flattened elements, cutting through rows."""
+def test_runs_across_rows_are_assembled_into_their_places_and_streamed_without_a_copy():
+    """A ZeRO-partitioned weight: runs of its flattened elements, cutting through rows; the
+    writer gets the runs themselves, in order, not an assembled copy of them."""
     full = torch.arange(15, dtype=torch.float32).reshape(5, 3)
     runs = [(0, 4), (4, 4), (8, 4), (12, 3)]
     pieces = tuple(Piece(rank, "w", (start,), (length,), "float32") for rank, (start, length) in enumerate(runs))
     plan = TensorPlan(name="w", source_key="w", shape=(5, 3), source_dtype="float32", dtype="bfloat16", pieces=pieces)
     values = {piece: full.view(-1)[piece.offset[0]:piece.offset[0] + piece.shape[0]].clone() for piece in pieces}
     assert torch.equal(assemble(plan, values), full)
-    [chunk] = output_chunks(plan, values)
-    assert torch.equal(chunk, full)
+    shuffled = dict(reversed(values.items()))
+    chunks = output_chunks(plan, shuffled)
+    assert [chunk.data_ptr() for chunk in chunks] == [values[piece].data_ptr() for piece in pieces]
+    assert torch.equal(torch.cat(chunks), full.view(-1))

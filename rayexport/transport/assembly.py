@@ -67,12 +67,17 @@ def assemble(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> torch.Tenso
 def output_chunks(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> list[torch.Tensor]:
     """An output tensor as consecutive chunks whose bytes, in order, are the tensor's bytes.
 
-    Pieces that are whole rows (Shard(0), FSDP1 flat rows) are written as they are, with no
-    assembled copy; anything else (boxes, runs across rows) is assembled, and a LoRA adapter is
-    merged when planned."""
+    Pieces that are whole rows (Shard(0), FSDP1 flat rows) or runs of the flattened tensor
+    (ZeRO's partitions, which together cover it in order) are written as they are, with no
+    assembled copy; anything else (boxes) is assembled, and a LoRA adapter is merged when
+    planned."""
     if plan.lora is not None:
         a, b = assemble(plan.lora.a, pieces), assemble(plan.lora.b, pieces)
         return list(merge_lora(assemble(plan, pieces), a, b, plan.lora.scale, plan.lora.fan_in_fan_out))
+    if plan.shape and all(is_run(piece, plan.shape) for piece in plan.pieces):
+        return [pieces[piece] for piece in sorted(plan.pieces, key=lambda piece: piece.offset[0]) if piece.shape[0]] or [
+            assemble(plan, pieces)
+        ]
     whole_rows = all(
         not is_run(piece, plan.shape) and piece.offset[1:] == (0,) * (len(plan.shape) - 1)
         and piece.shape[1:] == plan.shape[1:]
