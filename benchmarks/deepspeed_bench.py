@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run zero_to_fp32.py inside a cgroup-v1 memory cap of SIZE (for a checkpoint larger than memory)")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "rayexport-deepspeed-bench"))
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+    parser.add_argument("--before", metavar="TREE", help="also run every rayexport row from this checkout")
     parser.add_argument("--write-checkpoint", nargs=2, metavar=("SAVE", "WORLD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.write_checkpoint:  # in DeepSpeed's Python
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     converter = [deepspeed, os.path.join(save, "zero_to_fp32.py"), save, out, "--safe_serialization"]
     ray_start_s, rows = against_rayexport(("DeepSpeed's zero_to_fp32.py (one process)", converter, env), save, out, levels,
                                           args.workers, args.bucket_size, report_path, ("--dtype", "float32"),
-                                          parse_size(args.cap) if args.cap else None)
+                                          parse_size(args.cap) if args.cap else None, args.before)
     print(f"\n{nbytes / 1e9:.2f} GB on disk ({args.size} of fp32 weights, Adam's moments beside), ZeRO-3 over "
           f"{args.world_size} ranks; rayexport {args.workers} workers, joined to a Ray head (its start: {ray_start_s:.1f} s)\n")
     print_against(rows, "x zero_to_fp32")

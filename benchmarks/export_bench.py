@@ -64,10 +64,10 @@ class Run:
     nbytes: int = 0
 
 
-def measure(command: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Run `command`; its wall seconds and the peak RSS of its own process (wait4's rusage)."""
+def measure(command: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[float, int]:
+    """Run `command` (in `cwd`); its wall seconds and the peak RSS of its own process (wait4's rusage)."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stderr = process.stderr.read()
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - started
@@ -146,26 +146,31 @@ def verl_python() -> str:
 
 
 def rayexport_run(
-    src: str, dst: str, workers: int, writers: int, bucket_size: str, env: dict[str, str], report: str, verify: str = "none",
-    extra: tuple[str, ...] = (),
+    src: str, dst: str, workers: int, writers: int | None, bucket_size: str, env: dict[str, str], report: str,
+    verify: str = "none", extra: tuple[str, ...] = (), tree: str | None = None,
 ) -> tuple[float, dict]:
+    """One export through the command line (`writers` None: its default, every worker), from the
+    checkout `tree` (None: this one); its wall and its report."""
     command = [
         sys.executable, "-m", "rayexport.run", "--src", src, "--dst", dst, "--workers", str(workers),
-        "--writers", str(writers), "--verify", verify, "--bucket-size", bucket_size, "--report", report,
-        "--log-level", "WARNING", *extra,
+        *(("--writers", str(writers)) if writers is not None else ()), "--verify", verify, "--bucket-size", bucket_size,
+        "--report", report, "--log-level", "WARNING", *extra,
     ]
-    seconds, _ = measure(command, env)
+    if tree is not None:  # `python -m` puts its working directory first on the path
+        env = dict(env, PYTHONPATH=tree)
+    seconds, _ = measure(command, env, tree)
     with open(report) as handle:
         return seconds, json.load(handle)
 
 
 def against_rayexport(
     baseline: tuple[str, list[str], dict[str, str] | None], src: str, out: str, levels: list[str], workers: int,
-    bucket_size: str, report: str, extra: tuple[str, ...] = (), cap_bytes: int | None = None,
+    bucket_size: str, report: str, extra: tuple[str, ...] = (), cap_bytes: int | None = None, before: str | None = None,
 ) -> tuple[float, list[dict]]:
     """One baseline `(name, command, env)` against rayexport's command line at each `--verify`
     level, on `src`, each run once unmeasured first (both sides warm), then measured; rayexport
-    joined to a Ray head started here once (its start, returned first, is not in its walls). With
+    joined to a Ray head started here once (its start, returned first, is not in its walls), with
+    its default writers. With `before` (a checkout), each level also runs from that tree. With
     `cap_bytes` the baseline runs inside that memory cap (`measure_capped`) and may be killed. The
     rows: run, wall_s and peak_bytes (the baseline's `exit`, rayexport's largest process and stages)."""
     import ray
@@ -182,13 +187,15 @@ def against_rayexport(
             seconds, peak, code = measure_capped(command, env, cap_bytes) if cap_bytes else (*measure(command, env), 0)
             if not warming:
                 rows.append({"run": name, "wall_s": seconds, "peak_bytes": peak, "exit": code})
-            for level in levels:
-                shutil.rmtree(out, ignore_errors=True)
-                seconds, measured = rayexport_run(src, out, workers, 1, bucket_size, ray_env, report, level, extra)
-                if not warming:
-                    process, peak = max(measured["peak_rss_bytes"].items(), key=lambda item: item[1])
-                    rows.append({"run": f"rayexport, `--verify {level}`", "wall_s": seconds, "peak_bytes": peak,
-                                 "largest": process, "stages": measured["seconds"]})
+            trees = ([("before: ", os.path.abspath(before))] if before else []) + [("", None)]
+            for label, tree in trees:
+                for level in levels:
+                    shutil.rmtree(out, ignore_errors=True)
+                    seconds, measured = rayexport_run(src, out, workers, None, bucket_size, ray_env, report, level, extra, tree)
+                    if not warming:
+                        process, peak = max(measured["peak_rss_bytes"].items(), key=lambda item: item[1])
+                        rows.append({"run": f"{label}rayexport, `--verify {level}`", "wall_s": seconds, "peak_bytes": peak,
+                                     "largest": process, "stages": measured["seconds"], "passes": measured.get("passes")})
     finally:
         ray.shutdown()
         shutil.rmtree(out, ignore_errors=True)
@@ -206,6 +213,10 @@ def print_against(rows: list[dict], ratio: str) -> None:
             where += f", ended with exit {row['exit']}: killed at its memory cap" if row["exit"] == -9 else f", exit {row['exit']}"
         multiple = f"{row['wall_s'] / rows[0]['wall_s']:.2f}" if finished else "-"
         print(f"| {row['run']} | {row['wall_s']:.1f} | {multiple} | {row['peak_bytes'] / MiB:.0f} MiB{where} |")
+    print()
+    for row in rows:
+        if row.get("stages"):
+            print(f"{row['run']}: " + ", ".join(f"{stage} {seconds:.1f}" for stage, seconds in row["stages"].items()))
 
 
 def remove(uri: str, s3) -> None:

@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", default="none,full", help="rayexport --verify levels (default none,full)")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "rayexport-megatron-bench"))
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+    parser.add_argument("--before", metavar="TREE", help="also run every rayexport row from this checkout")
     parser.add_argument("--single-process", nargs=2, metavar=("ACTOR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.single_process:  # the baseline, in a process of its own so that its peak is its own
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
     baseline = ("dcp_to_torch_save, then convert (one process)",
                 [sys.executable, os.path.abspath(__file__), "--single-process", actor, out], None)
-    ray_start_s, rows = against_rayexport(baseline, actor, out, levels, args.workers, args.bucket_size, report_path)
+    ray_start_s, rows = against_rayexport(baseline, actor, out, levels, args.workers, args.bucket_size, report_path,
+                                          before=args.before)
     print(f"\n{nbytes / 1e9:.2f} GB, {config.num_hidden_layers} layers, world size {args.world_size}; "
           f"rayexport {args.workers} workers, joined to a Ray head (its start: {ray_start_s:.1f} s)\n")
     print_against(rows, "x one process")
