@@ -6,12 +6,11 @@
 One invocation writes a DCP checkpoint with FSDP2 gloo ranks (tests/support/checkpoints.py), then:
   1. exports it through a local Ray with `--workers` workers and `--bucket-mib` buckets, from
      local disk and (--s3) from S3, and reports each worker's working memory (its peak resident
-     memory above what it held before loading) beside its share, the largest chunk and the
-     window (two buckets, a bucket being at least the largest tensor: a DCP worker sends whole
-     tensors, and a tensor larger than --bucket-size travels alone);
-  2. in this process, times reading the whole checkpoint into a spool file (`read_tensors`),
-     one pass over the spooled tensors as the transfer makes it, and one more pass of torch's
-     DCP reads (what re-reading the source for each pass would cost instead).
+     memory above what it held before loading) beside its share of the saved chunks, the largest
+     chunk and the window (two buckets; a tensor larger than --bucket-size travels alone);
+  2. in this process, times mapping every chunk in place (`dcp_chunks.read_in_place`: each
+     record found and checked), one pass over the mapped chunks as the transfer makes it, and
+     one pass of torch's own DCP reads of the same tensors.
 It prints markdown tables; nothing here asserts a number. Times on a busy machine vary: run it
 with OMP_NUM_THREADS=1, as Ray runs its workers.
 """
@@ -62,15 +61,16 @@ def largest(path: str) -> tuple[int, int]:
 
 
 def worker_shares(path: str, workers: int) -> dict[str, int]:
-    """Bytes of tensors each worker reads (an untied model: no ties to keep together)."""
-    from rayexport.layouts.dcp import assign_tensors, find_dcp_checkpoint
+    """Bytes of saved chunks each worker reads (an untied model: no ties to keep together)."""
+    from rayexport.layouts.dcp import find_dcp_checkpoint
+    from rayexport.layouts.dcp_chunks import list_chunks, share_chunks
+    from rayexport.layouts.dcp_metadata import read_metadata
     from rayexport.storage.store import Store
 
-    checkpoint = find_dcp_checkpoint(Store(path))
-    return {
-        f"worker{worker}": sum(checkpoint.tensors[key].nbytes for key in keys)
-        for worker, keys in enumerate(assign_tensors(checkpoint, workers))
-    }
+    store = Store(path)
+    checkpoint = find_dcp_checkpoint(store)
+    shares = share_chunks(list_chunks(checkpoint.tensors, read_metadata(store), store.uri), workers, {})
+    return {f"worker{worker}": sum(chunk.nbytes for chunk in chunks) for worker, chunks in shares.items()}
 
 
 def start_s3() -> str:
@@ -106,35 +106,39 @@ def export_memory(source: str, out: str, workers: int, bucket: int) -> dict[str,
     return report.working_memory_bytes
 
 
-def read_times(path: str, spool_dir: str) -> dict[str, float]:
-    """Seconds to spool the checkpoint, to make one pass over the spooled tensors (copied out,
-    pages given back), and to make one more pass of DCP reads instead."""
+def read_times(path: str) -> dict[str, float]:
+    """Seconds to map every saved chunk in place, to make one pass over the mapped chunks
+    (copied out, pages given back), and to read the same tensors with torch's DCP instead."""
     import torch.distributed.checkpoint as dcp
 
-    from rayexport.layouts.dcp import find_dcp_checkpoint, read_tensors
+    from rayexport.layouts.dcp import find_dcp_checkpoint
+    from rayexport.layouts.dcp_chunks import list_chunks, read_in_place, slot_chunks
+    from rayexport.layouts.dcp_metadata import read_metadata
     from rayexport.layouts.mapped import release_pages
     from rayexport.storage.store import Store
 
     store = Store(path)
     checkpoint = find_dcp_checkpoint(store)
-    keys = sorted(checkpoint.tensors)
+    shapes = {key: tensor.shape for key, tensor in checkpoint.tensors.items()}
     started = time.perf_counter()
-    tensors = read_tensors(store, checkpoint, keys, spool_dir)
-    spooled = time.perf_counter() - started
-    ranges = tensors.mapped_ranges()
+    slots = slot_chunks(list_chunks(checkpoint.tensors, read_metadata(store), store.uri))
+    mapped = [read_in_place(store, slot, shapes) for slot in slots]
+    in_place = time.perf_counter() - started
+    ranges = [span for tensors in mapped for span in tensors.mapped_ranges()]
     started = time.perf_counter()
-    for key in keys:
-        tensors[key].clone()
-        release_pages(ranges)
-    mapped = time.perf_counter() - started
+    for tensors in mapped:
+        for key in tensors:
+            tensors[key].clone()
+            release_pages(ranges)
+    one_pass = time.perf_counter() - started
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        for key in keys:  # a tensor at a time, as re-reads for a bucket would be
-            tensor = checkpoint.tensors[key]
-            dcp.load({tensor.key: torch.empty(tensor.shape, dtype=tensors[key].dtype)}, checkpoint_id=path, no_dist=True)
+        for tensor in checkpoint.tensors.values():  # a tensor at a time, as re-reads for a bucket would be
+            dtype = getattr(torch, tensor.dtype)
+            dcp.load({tensor.key: torch.empty(tensor.shape, dtype=dtype)}, checkpoint_id=path, no_dist=True)
     reread = time.perf_counter() - started
-    return {"spool": spooled, "mapped pass": mapped, "DCP re-read pass": reread}
+    return {"map every chunk in place": in_place, "one pass over the mapped chunks": one_pass, "torch's DCP reads": reread}
 
 
 def main() -> None:
@@ -156,9 +160,8 @@ def main() -> None:
         ray.init(num_cpus=max(4, args.workers), num_gpus=0, include_dashboard=False, logging_level="WARNING")
         size = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path) if name.endswith(".distcp"))
         tensor, chunk = largest(path)
-        # a tensor larger than a bucket travels alone: DCP workers send whole tensors
         print(f"checkpoint {size / MiB:.0f} MiB in {args.world_size} rank files, largest tensor {tensor / MiB:.1f} MiB, "
-              f"largest chunk {chunk / MiB:.1f} MiB; window 2 x max({args.bucket_mib} MiB, largest tensor)\n")
+              f"largest chunk {chunk / MiB:.1f} MiB; window 2 x {args.bucket_mib} MiB\n")
         shares = worker_shares(path, args.workers)
         print("| source | worker | share | working memory |")
         print("| --- | --- | --- | --- |")
@@ -169,7 +172,7 @@ def main() -> None:
         ray.shutdown()
         print("\n| reading the whole checkpoint in one process | seconds |")
         print("| --- | --- |")
-        for step, seconds in read_times(path, scratch).items():
+        for step, seconds in read_times(path).items():
             print(f"| {step} | {seconds:.2f} |")
 
 

@@ -1,6 +1,6 @@
 """The DCP layout against real `torch.distributed.checkpoint.save` output of FSDP2 gloo ranks:
-metadata, model-prefix detection, work assignment, reading tensors locally and from S3 into a
-worker's spool file, and a worker's memory while it exports its share."""
+metadata, model-prefix detection, the chunks shared over the workers, read in place locally
+and piece by piece from S3, and a worker's memory while it exports its share."""
 
 from __future__ import annotations
 
@@ -18,15 +18,13 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from rayexport.common.errors import ExportError
 from rayexport.common.scan import is_finite
-from rayexport.layouts.dcp import find_dcp_checkpoint, read_tensors
+from rayexport.layouts.dcp import find_dcp_checkpoint
 from rayexport.layouts.dcp_chunks import list_chunks, read_in_place, share_chunks, slot_chunks
 from rayexport.layouts.dcp_metadata import DCP_METADATA, read_metadata
-from rayexport.layouts.dcp_spool import spool_offsets
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.registry import detect_layout, find_checkpoint, snapshot
 from rayexport.orchestration.job import export
-from rayexport.plan.schedule import assign_by_bytes
-from rayexport.plan.shards import ShardInfo
+from rayexport.plan.pieces import Piece
 from rayexport.storage.store import Store
 from support.checkpoints import write_dcp_checkpoint
 from support.helpers import BUCKET, upload
@@ -57,9 +55,30 @@ def copy_checkpoint(source: str, destination) -> str:
     return str(destination)
 
 
-def assign_tensors(checkpoint, num_workers: int) -> list[list[str]]:
-    """The byte-balanced shares of a DCP checkpoint's tensors, as its layout spreads them."""
-    return assign_by_bytes({key: tensor.nbytes for key, tensor in checkpoint.tensors.items()}, num_workers)
+def read_shares(checkpoint, num_workers: int, aliases: dict[str, str] | None = None):
+    """The checkpoint spread over `num_workers` workers as its layout spreads it, each part read
+    here as its worker reads it: the `Loaded`, and what each pseudo-rank holds."""
+    held = {}
+
+    def load(parts):
+        infos = {}
+        for part in parts.values():
+            for rank, tensors in checkpoint.read(part, "", lambda count: None).items():
+                held[rank] = tensors
+                infos[rank] = tensors.describe()
+        return infos
+
+    return checkpoint.share(num_workers, aliases or {}, load), held
+
+
+def rebuild(held, reference) -> dict[str, torch.Tensor]:
+    """Every tensor put together from the chunks the pseudo-ranks hold, at their offsets."""
+    rebuilt = {key: torch.full_like(tensor, float("nan")) for key, tensor in reference.items()}
+    for tensors in held.values():
+        for key, info in tensors.describe().items():
+            region = tuple(slice(start, start + size) for start, size in zip(info.offset, info.local_shape))
+            rebuilt[key][region] = tensors[key]
+    return rebuilt
 
 
 def assert_one_line_naming(error: pytest.ExceptionInfo, uri: str) -> None:
@@ -133,40 +152,22 @@ def test_explicit_prefix_overrides_detection(written):
     assert all(key.startswith("optim.") for key in as_stored.skipped)
 
 
-@pytest.mark.parametrize("name", ["tied", "flat"])
-def test_assign_tensors_covers_every_key_once_balanced(written, name):
-    checkpoint = find_dcp_checkpoint(Store(written[name].path))
-    largest = max(tensor.nbytes for tensor in checkpoint.tensors.values())
-    for workers in (1, 2, 3, 5, len(checkpoint.tensors) + 3):
-        assigned = assign_tensors(checkpoint, workers)
-        assert len(assigned) == workers
-        flat = [key for keys in assigned for key in keys]
-        assert sorted(flat) == sorted(checkpoint.tensors) and len(set(flat)) == len(flat)
-        loads = [sum(checkpoint.tensors[key].nbytes for key in keys) for keys in assigned]
-        # largest-first greedy never leaves two workers further apart than one tensor
-        assert max(loads) - min(loads) <= largest, loads
-        assert assign_tensors(checkpoint, workers) == assigned
-    # the two largest tensors (embedding and head, tied or not both stored) never share a worker
-    first, second = assign_tensors(checkpoint, 2)
-    assert ("model.embed_tokens.weight" in first) != ("lm_head.weight" in first)
-    with pytest.raises(ValueError):
-        assign_tensors(checkpoint, 0)
-
-
 @pytest.mark.parametrize("name", VARIANTS)
-def test_read_tensors_returns_exactly_the_requested_tensors(written, name, tmp_path):
-    store = Store(written[name].path)
-    checkpoint = find_dcp_checkpoint(store)
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_the_workers_shares_rebuild_every_tensor_exactly_read_in_place(written, name, workers, tmp_path):
+    """Every saved chunk read once, by one worker, as views of the rank files themselves."""
+    checkpoint = find_dcp_checkpoint(Store(written[name].path))
     reference = written[name].reference
-    seen = set()
-    for keys in assign_tensors(checkpoint, 3):
-        tensors = read_tensors(checkpoint, keys, str(tmp_path))
-        assert sorted(tensors) == sorted(keys)
-        for key, tensor in tensors.items():
-            assert tensor.dtype == reference[key].dtype and torch.equal(tensor, reference[key]), key
-        seen.update(tensors)
-    assert seen == set(reference)
-    assert read_tensors(checkpoint, [], str(tmp_path)) == {}
+    loaded, held = read_shares(checkpoint, workers)
+    assert set(loaded.worker_of_rank.values()) <= set(range(workers)) and set(held) == set(loaded.worker_of_rank)
+    chunks = {(key, info.offset) for infos in loaded.rank_infos.values() for key, info in infos.items()}
+    assert len(chunks) == sum(len(infos) for infos in loaded.rank_infos.values())  # none read twice
+    rebuilt = rebuild(held, reference)
+    for key, tensor in reference.items():
+        assert rebuilt[key].dtype == tensor.dtype and torch.equal(rebuilt[key], tensor), key
+    rank_files = {os.path.realpath(os.path.join(written[name].path, file)) for file in checkpoint.read_files()}
+    assert all(set(tensors.paths) <= rank_files for tensors in held.values())  # mapped where they lie
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -233,36 +234,14 @@ def test_a_record_that_does_not_match_its_metadata_is_one_line(written, tmp_path
         read_in_place(store, [shifted], {key: tensor.shape for key, tensor in checkpoint.tensors.items()})
 
 
-def test_read_tensors_from_s3(written, s3_endpoint, tmp_path):
-    root = f"s3://{BUCKET}/dcp-{uuid.uuid4().hex[:8]}"
-    for name in ("tied", "flat"):
-        uri = upload(written[name].path, f"{root}/{name}")
-        store = Store(uri, {"endpoint_url": s3_endpoint})
-        assert not store.is_local and detect_layout(store).name == "dcp"
-        checkpoint = find_dcp_checkpoint(store)
-        local = find_dcp_checkpoint(Store(written[name].path))
-        assert (checkpoint.prefix, checkpoint.tensors, checkpoint.skipped) == (local.prefix, local.tensors, local.skipped)
-        keys = ["model.norm.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"]
-        tensors = read_tensors(checkpoint, keys, str(tmp_path))
-        assert sorted(tensors) == sorted(keys)
-        for key in keys:
-            assert torch.equal(tensors[key], written[name].reference[key]), key
-        # only these tensors were spooled, not the rank files that hold them
-        assert os.path.getsize(tensors.path) == spool_offsets([checkpoint.tensors[key] for key in keys])[1]
-    assert len(os.listdir(tmp_path)) == 2
-    missing = Store(f"{root}/absent", {"endpoint_url": s3_endpoint})
-    assert detect_layout(missing) is None
-    with pytest.raises(ExportError) as error:
-        find_dcp_checkpoint(missing)
-    assert_one_line_naming(error, missing.uri)
-
-
-def test_a_remote_share_fetches_only_its_chunks(written, s3_endpoint, tmp_path, monkeypatch):
-    """One ranged request per chunk: read through fsspec's read-ahead cache, a worker fetches
-    whole blocks of 50 MiB, here whole rank files, most of it other workers' tensors."""
+def test_a_share_in_s3_rebuilds_every_tensor_fetching_each_piece_as_one_range(written, s3_endpoint, tmp_path, monkeypatch):
+    """From object storage nothing is spooled: a worker finds each chunk's record with a few
+    small ranged reads, then fetches the bytes of each piece the transfer asks for, one range
+    each, exactly those bytes. (torch's own reader goes through fsspec's read-ahead cache: a
+    worker fetched blocks of 50 MiB, whole rank files here, most of them other workers' tensors.)"""
     import s3fs
 
-    uri = upload(written["flat"].path, f"s3://{BUCKET}/dcp-{uuid.uuid4().hex[:8]}")
+    root = f"s3://{BUCKET}/dcp-{uuid.uuid4().hex[:8]}"
     fetched = []
     call_s3 = s3fs.S3FileSystem._call_s3
 
@@ -273,16 +252,36 @@ def test_a_remote_share_fetches_only_its_chunks(written, s3_endpoint, tmp_path, 
         return response
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counting)
-    store = Store(uri, {"endpoint_url": s3_endpoint})
-    checkpoint = find_dcp_checkpoint(store)
-    fetched.clear()
-    keys = ["model.norm.weight", "model.embed_tokens.weight"]
-    tensors = read_tensors(checkpoint, keys, str(tmp_path))
-    assert all(torch.equal(tensors[key], written["flat"].reference[key]) for key in keys)
-    chunks = sum(len(stored_entries(written["flat"].path)[checkpoint.tensors[key].key].chunks) for key in keys)
-    assert len(fetched) == chunks == 6
-    # each chunk's bytes, plus the few KiB that frame a tensor that torch.save wrote
-    assert sum(fetched) < sum(checkpoint.tensors[key].nbytes for key in keys) + chunks * 4096
+    for name in ("tied", "flat"):
+        uri = upload(written[name].path, f"{root}/{name}")
+        store = Store(uri, {"endpoint_url": s3_endpoint})
+        assert not store.is_local and detect_layout(store).name == "dcp"
+        checkpoint = find_dcp_checkpoint(store)
+        local = find_dcp_checkpoint(Store(written[name].path))
+        assert (checkpoint.prefix, checkpoint.tensors, checkpoint.skipped) == (local.prefix, local.tensors, local.skipped)
+        loaded, held = read_shares(checkpoint, 2)
+        reference = written[name].reference
+        for rank, tensors in held.items():
+            assert tensors.fetches
+            for key, info in tensors.describe().items():
+                rows = info.local_shape[0] // 2
+                if not rows or len(info.local_shape) != 2:
+                    continue
+                region = ((rows, info.local_shape[0] - rows, 1), (0, info.local_shape[1], 1))
+                piece = Piece(rank, key, (info.offset[0] + rows, 0), (info.local_shape[0] - rows, info.local_shape[1]),
+                              info.dtype, region, (0, 1))
+                fetched.clear()
+                values = tensors.values(piece)
+                assert fetched == [piece.nbytes]  # one request, for exactly the piece's bytes
+                assert torch.equal(values, reference[key][info.offset[0] + rows:info.offset[0] + info.local_shape[0]])
+        rebuilt = rebuild(held, reference)
+        assert all(torch.equal(rebuilt[key], tensor) for key, tensor in reference.items())
+    assert not os.listdir(tmp_path)
+    missing = Store(f"{root}/absent", {"endpoint_url": s3_endpoint})
+    assert detect_layout(missing) is None
+    with pytest.raises(ExportError) as error:
+        find_dcp_checkpoint(missing)
+    assert_one_line_naming(error, missing.uri)
 
 
 def test_missing_metadata_is_an_export_error(written, tmp_path):
@@ -353,34 +352,24 @@ def test_prefix_without_tensors_is_an_export_error(written):
     assert_one_line_naming(error, store.uri)
 
 
-def test_missing_rank_file_or_unknown_key_is_an_export_error(written, tmp_path):
+def test_a_missing_rank_file_is_one_line_naming_it(written, tmp_path):
     folder = copy_checkpoint(written["flat"].path, tmp_path / "ckpt")
     store = Store(folder)
     checkpoint = find_dcp_checkpoint(store)
     os.remove(os.path.join(folder, "__1_0.distcp"))
     with pytest.raises(ExportError, match="__1_0.distcp") as error:
-        read_tensors(checkpoint, ["lm_head.weight"], str(tmp_path))
+        read_shares(checkpoint, 1)
     assert_one_line_naming(error, folder)
     # described again, the checkpoint is refused before any reading starts
     with pytest.raises(ExportError, match=r"^DCP checkpoint '.*' is missing '__1_0.distcp'$"):
         find_dcp_checkpoint(store)
-    with pytest.raises(ExportError, match="no tensor 'optim.state'") as error:
-        read_tensors(checkpoint, ["optim.state"], str(tmp_path))
-    assert_one_line_naming(error, folder)
 
 
-def test_spooled_tensors_are_mapped_and_hold_a_nan_where_the_rank_file_does(written, tmp_path):
-    """The spool holds each chunk as its rank file does: a NaN in one rank's chunk is in that
-    tensor alone, where the source scan (`rayexport.common.scan`) finds it."""
+def test_chunks_read_in_place_hold_a_nan_where_the_rank_file_does(written, tmp_path):
+    """A chunk is its rank file's bytes: a NaN in one rank's chunk is in that chunk alone, where
+    the source scan (`rayexport.common.scan`) finds it."""
     folder = copy_checkpoint(written["flat"].path, tmp_path / "ckpt")
-    store = Store(folder)
-    checkpoint = find_dcp_checkpoint(store)
-    keys = ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"]
     embedding = written["flat"].reference["model.embed_tokens.weight"]
-    tensors = read_tensors(checkpoint, keys, str(tmp_path))
-    assert tensors.mapped_ranges() and os.path.dirname(tensors.path) == str(tmp_path)
-    assert tensors.describe()["model.embed_tokens.weight"] == ShardInfo(tuple(embedding.shape), "float32")
-
     # rank 2 holds rows 668 on (see above); a value's bytes occur once in its file
     rank_file = os.path.join(folder, "__2_0.distcp")
     with open(rank_file, "rb") as handle:
@@ -389,10 +378,12 @@ def test_spooled_tensors_are_mapped_and_hold_a_nan_where_the_rank_file_does(writ
     assert data.count(value) == 1
     with open(rank_file, "wb") as handle:
         handle.write(data.replace(value, torch.tensor(float("nan")).numpy().tobytes()))
-    spooled = read_tensors(checkpoint, keys, str(tmp_path))
-    assert {key: is_finite(spooled[key]) for key in keys} == {
-        "model.norm.weight": True, "model.embed_tokens.weight": False, "lm_head.weight": True,
+    _, held = read_shares(find_dcp_checkpoint(Store(folder)), 1)
+    finite = {
+        (key, info.offset[0]): is_finite(tensors[key])
+        for tensors in held.values() for key, info in tensors.describe().items() if key == "model.embed_tokens.weight"
     }
+    assert [offset for (_, offset), ok in finite.items() if not ok] == [668]
 
 
 @pytest.fixture(scope="module")
@@ -409,7 +400,9 @@ def test_a_worker_holds_the_transfer_window_not_its_share(sized, tmp_path, ray_a
     share of the model it reads and sends."""
     path, reference = sized
     checkpoint = find_dcp_checkpoint(Store(path))
-    shares = [sum(checkpoint.tensors[key].nbytes for key in keys) for keys in assign_tensors(checkpoint, 2)]
+    store = Store(path)
+    chunks = list_chunks(checkpoint.tensors, read_metadata(store), store.uri)
+    shares = [sum(chunk.nbytes for chunk in share) for share in share_chunks(chunks, 2, {}).values()]
     entries = stored_entries(path)
     largest_chunk = max(
         math.prod(chunk.sizes) * entries[tensor.key].properties.dtype.itemsize
@@ -417,8 +410,7 @@ def test_a_worker_holds_the_transfer_window_not_its_share(sized, tmp_path, ray_a
     )
     bound = 2 * BUCKET_SIZE + largest_chunk + HEADROOM
     assert min(shares) > bound  # each worker reads more than the bound
-    # a DCP worker sends whole tensors, and one larger than a bucket travels alone
-    assert max(tensor.nbytes for tensor in checkpoint.tensors.values()) <= BUCKET_SIZE
+    assert max(tensor.nbytes for tensor in checkpoint.tensors.values()) <= BUCKET_SIZE  # none travels alone
 
     report = export(
         path, str(tmp_path / "out"), workers=2, writers=2, bucket_size=BUCKET_SIZE, max_shard_size="32MB",

@@ -11,7 +11,7 @@ import pytest
 from rayexport.plan.tiles import (
     concatenate, drop_axis, insert_axis, invert, is_whole, narrow, permute, select, select_runs, whole,
 )
-from rayexport.transport.assembly import piece_tensor
+from rayexport.plan.pieces import piece_tensor
 
 
 def rebuild(tiles, sources, shape, shards=None):

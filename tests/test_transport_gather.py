@@ -75,15 +75,15 @@ def _gather_rank(rank, rendezvous, result_dir, writers):
     try:
         full, plans, transfer = gather_plan(writers)
 
-        def local_piece(piece):
-            assert piece.rank == rank, f"rank {rank} asked for rank {piece.rank}'s piece"
-            return piece_region(full[piece.source_key], piece)  # a view, as a memory-mapped file gives
+        def local_pieces(pieces):
+            assert all(piece.rank == rank for piece in pieces), f"rank {rank} asked for another rank's piece"
+            return [piece_region(full[piece.source_key], piece) for piece in pieces]  # views, as a mapped file gives
 
         def write(tensors):
             return {name: torch.cat([chunk.reshape(-1) for chunk in chunks]).clone() for name, chunks in tensors}
 
         files = transfer.files[rank]
-        gathered = run_transfer(rank, transfer.buckets, plans, local_piece, CPU, write if files else None)
+        gathered = run_transfer(rank, transfer.buckets, plans, local_pieces, CPU, write if files else None)
         torch.save(gathered or {}, f"{result_dir}/rank{rank}.pt")
         dist.barrier()
     finally:
@@ -134,9 +134,9 @@ def test_the_writer_never_falls_more_than_the_window_behind():
     full, plans, transfer = single_worker_case()
     received, written, lag = [], [], []
 
-    def local_piece(piece):
-        received.append(piece.source_key)
-        return full[piece.source_key]
+    def local_pieces(pieces):
+        received.extend(piece.source_key for piece in pieces)
+        return [full[piece.source_key] for piece in pieces]
 
     def write(tensors):
         for name, chunks in tensors:
@@ -145,7 +145,7 @@ def test_the_writer_never_falls_more_than_the_window_behind():
             written.append(name)
         return written
 
-    assert run_transfer(0, transfer.buckets, plans, local_piece, CPU, write, window=2) == list(full)
+    assert run_transfer(0, transfer.buckets, plans, local_pieces, CPU, write, window=2) == list(full)
     assert max(lag) == 2  # the next bucket was received while this one was written, and no more
 
 
@@ -157,7 +157,7 @@ def test_a_failing_writer_ends_the_transfer_with_its_error():
         raise OSError("upload of model.safetensors refused")
 
     with pytest.raises(OSError, match="upload of model.safetensors refused"):
-        run_transfer(0, transfer.buckets, plans, lambda piece: full[piece.source_key], CPU, write, window=2)
+        run_transfer(0, transfer.buckets, plans, lambda pieces: [full[piece.source_key] for piece in pieces], CPU, write, window=2)
 
 
 def test_the_gpu_is_the_first_assigned_one_among_the_visible_devices():

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 from rayexport.layouts.mapped import mapped_ranges
-from rayexport.plan.pieces import holders_by_key
-from rayexport.plan.shards import ShardInfo
+from rayexport.plan.pieces import Piece, holders_by_key, piece_tensor
+from rayexport.plan.shards import ShardInfo, local_tensor
 from rayexport.storage.store import Store
 
 # The folder beside the weights where trainers (verl, DCP loops) put config, tokenizer and code.
@@ -48,6 +48,8 @@ class KeyMapping:
 class SourceTensors(Mapping):
     """The tensors one (pseudo-)rank holds, by key, read only when touched."""
 
+    fetches = False  # whether `values` fetches from object storage (worth asking for several at once)
+
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
         """Every tensor's placement and finiteness, calling `advance` after each one."""
         raise NotImplementedError
@@ -55,6 +57,11 @@ class SourceTensors(Mapping):
     def mapped_ranges(self) -> list[tuple[int, int]]:
         """The address ranges of the files these tensors map, for `release_pages`."""
         return []
+
+    def values(self, piece: Piece) -> Any:
+        """What `piece` (of one of these tensors) takes from it: a view of the tensor held here;
+        a reader of object storage may fetch just those bytes instead."""
+        return piece_tensor(local_tensor(self[piece.source_key]), piece)
 
 
 class MappedTensors(SourceTensors):

@@ -2,13 +2,10 @@
 FSDP2 training loops, torchtitan, accelerate and `torch.distributed.checkpoint.save` write them.
 
 `.metadata` (every key's global shape, dtype and chunks) is unpickled from an allow-list
-(`dcp_metadata`). Where the `.distcp` files are on a filesystem the workers see (local, shared,
-or each on its own node's disk), the workers share the saved chunks by bytes and map each one
-where it lies (`dcp_chunks`): no copy, and no local disk. From object storage,
-`torch.distributed.checkpoint.load` without a process group fills whole tensors from the chunks
-that hold them, one ranged request each, into one local spool file a worker memory-maps
-(`dcp_spool`), so that its memory stays at about a chunk while it reads, and at the transfer
-window after.
+(`dcp_metadata`). The workers share the saved chunks by bytes, and read each one where it lies
+(`dcp_chunks`): on a filesystem they see (local, shared, or each file on its node's own disk)
+memory-mapped, from object storage the byte range of each piece the transfer sends, when it sends
+it. Nothing is copied to local disk, and a worker holds at most the transfer window.
 """
 
 from __future__ import annotations
@@ -26,27 +23,23 @@ from rayexport.layouts.dcp_metadata import (
 )
 from rayexport.plan.naming import model_names
 from rayexport.plan.pieces import holders_by_key
-from rayexport.plan.schedule import assign_by_bytes, keep_ties_together
 from rayexport.storage.store import Store
 
-# torch.distributed.checkpoint (and `dcp_spool`, which uses it) are imported where a checkpoint is
-# read, as in `dcp_metadata`.
+# torch.distributed.checkpoint is imported where a checkpoint is read, as in `dcp_metadata`.
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
-
-    from rayexport.layouts.dcp_spool import SpooledTensors
 
 _DISTCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 @dataclass(frozen=True)
 class DcpCheckpoint(Checkpoint):
-    """The model tensors of one DCP checkpoint directory; any reader can read any whole tensor."""
+    """The model tensors of one DCP checkpoint directory; any worker can read any saved chunk."""
 
     keys: KeyMapping = field(default_factory=KeyMapping)  # stored keys -> model keys
     tensors: dict[str, DcpTensor] = field(default_factory=dict)  # by model key
     unsafe_pickle: bool = False
-    spools_remote_files = False  # a worker reads ranges of remote files into a spool of its own
+    spools_remote_files = False  # a worker fetches the byte ranges it sends, never a whole file
 
     @property
     def prefix(self) -> str:
@@ -63,22 +56,9 @@ class DcpCheckpoint(Checkpoint):
     def share(
         self, num_workers: int, aliases: dict[str, str], load: LoadStep, file_readers: dict[str, int] | None = None
     ) -> Loaded:
-        """Where the files are local (or on a filesystem every worker mounts, or each on its
-        node's own disk, `file_readers`), each worker maps a byte-balanced share of the saved
-        chunks in place, tied tensors' same boxes together. From object storage each worker
-        reads a byte-balanced share of whole tensors, tied copies together, into its spool."""
-        if self.store.is_local or file_readers is not None:
-            return self._share_chunks(num_workers, aliases, load, file_readers)
-        name_of = {key: name for name, key in model_names(self.tensors)[0].items()}
-        sizes = {key: tensor.nbytes for key, tensor in self.tensors.items()}
-        assignment = keep_ties_together(assign_by_bytes(sizes, num_workers), aliases, name_of)
-        rank_infos = load({worker: TensorsPart(worker, keys) for worker, keys in enumerate(assignment) if keys})
-        holders = {key: {rank: infos[key]} for rank, infos in rank_infos.items() for key in infos}
-        return Loaded(rank_infos, holders, {worker: worker for worker in range(num_workers)})
-
-    def _share_chunks(
-        self, num_workers: int, aliases: dict[str, str], load: LoadStep, file_readers: dict[str, int] | None
-    ) -> Loaded:
+        """Each worker reads a byte-balanced share of the saved chunks, tied tensors' same boxes
+        together, each chunk where it lies (`dcp_chunks`); where `file_readers` places the files
+        (each on its node's own disk), each chunk on its file's reader."""
         from rayexport.layouts.dcp_chunks import list_chunks, share_chunks, slot_chunks
 
         name_of = {key: name for name, key in model_names(self.tensors)[0].items()}
@@ -96,46 +76,25 @@ class DcpCheckpoint(Checkpoint):
         rank_infos = load(parts)
         return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
 
-    def part_bytes(self, part: "TensorsPart | ChunksPart") -> int:
+    def part_bytes(self, part: ChunksPart) -> int:
         """The bytes a worker reads for `part`."""
-        return part.nbytes(self)
+        return sum(chunk.nbytes for chunks in part.slots.values() for chunk in chunks)
 
-    def read(self, part: "TensorsPart | ChunksPart", spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
-        """The tensors of `part`: chunks mapped in place, or whole tensors read into this worker's spool."""
-        return part.read(self, spool_dir)
+    def read(self, part: ChunksPart, spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
+        """The chunks of `part`, each pseudo-rank's mapped in place, or from object storage
+        fetched piece by piece as the transfer asks (nothing spooled)."""
+        from rayexport.layouts.dcp_chunks import read_in_place, read_remote
 
-
-@dataclass(frozen=True)
-class TensorsPart:
-    """Whole tensors (model keys) one worker reads, held as its pseudo-rank `rank`."""
-
-    rank: int
-    keys: list[str]
-
-    def nbytes(self, checkpoint: DcpCheckpoint) -> int:
-        return sum(checkpoint.tensors[key].nbytes for key in self.keys)
-
-    def read(self, checkpoint: DcpCheckpoint, spool_dir: str) -> dict[int, SourceTensors]:
-        return {self.rank: read_tensors(checkpoint, self.keys, spool_dir)}
+        shapes = {key: tensor.shape for key, tensor in self.tensors.items()}
+        read = read_in_place if self.store.is_local else read_remote
+        return {rank: read(self.store, list(chunks), shapes, self.unsafe_pickle) for rank, chunks in part.slots.items()}
 
 
 @dataclass(frozen=True)
 class ChunksPart:
-    """Saved chunks one worker maps in place: pseudo-rank -> its chunks (`dcp_chunks.slot_chunks`)."""
+    """The saved chunks one worker reads: pseudo-rank -> its chunks (`dcp_chunks.slot_chunks`)."""
 
     slots: dict[int, tuple]
-
-    def nbytes(self, checkpoint: DcpCheckpoint) -> int:
-        return sum(chunk.nbytes for chunks in self.slots.values() for chunk in chunks)
-
-    def read(self, checkpoint: DcpCheckpoint, spool_dir: str) -> dict[int, SourceTensors]:
-        from rayexport.layouts.dcp_chunks import read_in_place
-
-        shapes = {key: tensor.shape for key, tensor in checkpoint.tensors.items()}
-        return {
-            rank: read_in_place(checkpoint.store, list(chunks), shapes, checkpoint.unsafe_pickle)
-            for rank, chunks in self.slots.items()
-        }
 
 
 class DcpLayout:
@@ -209,45 +168,3 @@ def _files_of(metadata: Metadata, stored_keys: set[str]) -> set[str]:
     """The files that hold chunks of `stored_keys`, as `.metadata` records them."""
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
     return {info.relative_path for index, info in storage.items() if index.fqn in stored_keys and hasattr(info, "relative_path")}
-
-
-def read_tensors(checkpoint: DcpCheckpoint, keys: list[str], spool_dir: str) -> SpooledTensors:
-    """Read the whole tensors `keys` (model keys) into one local file in `spool_dir`, memory-mapped;
-    return them keyed by model key.
-
-    `torch.distributed.checkpoint.load` runs without a process group and reads only the chunks
-    of these tensors, from local files or, for a remote store, with one ranged request each.
-    Each chunk is copied straight into its place in the mapped spool file and its pages given
-    back, so this process holds about one chunk at a time, not its share of the model; the
-    spool is also a snapshot, which later passes read rather than the source.
-    Whole rank files are never spooled: every FSDP rank file holds a slice of every tensor, so
-    that would copy the whole checkpoint to each worker.
-    Tensor data is loaded with torch's weights-only unpickler; `.metadata` as
-    `find_dcp_checkpoint` read it.
-    """
-    from rayexport.layouts.dcp_spool import SpooledTensors, spool
-
-    store = checkpoint.store
-    unknown = [key for key in keys if key not in checkpoint.tensors]
-    if unknown:
-        raise ExportError(f"no tensor '{unknown[0]}' in DCP checkpoint '{store.uri}'")
-    if not keys:
-        return SpooledTensors({}, None)
-    metadata = _unchanged_metadata(checkpoint, keys)
-    wanted = [checkpoint.tensors[key] for key in keys]
-    state, path = spool(store, metadata, wanted, spool_dir)
-    return SpooledTensors({key: state[tensor.key] for key, tensor in zip(keys, wanted)}, path)
-
-
-def _unchanged_metadata(checkpoint: DcpCheckpoint, keys: list[str]) -> Metadata:
-    """The checkpoint's `.metadata` read again, refusing a change to any of `keys` since it was listed."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    store = checkpoint.store
-    metadata = read_metadata(store, checkpoint.unsafe_pickle)
-    for key in keys:
-        expected = checkpoint.tensors[key]
-        entry = metadata.state_dict_metadata.get(expected.key)
-        if not isinstance(entry, TensorStorageMetadata) or describe_entry(store, expected.key, entry) != expected:
-            raise ExportError(f"tensor '{expected.key}' of DCP checkpoint '{store.uri}' changed since it was listed")
-    return metadata

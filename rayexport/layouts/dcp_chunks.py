@@ -1,9 +1,11 @@
 """A DCP checkpoint read in place: each saved chunk of each model tensor is the `torch.save`
-record that DCP's FileSystemWriter wrote at a byte range of a `.distcp` file, whose tensor bytes
-are memory-mapped where they lie, never copied to a spool. Workers share the chunks by bytes
-(`share_chunks`, pure), so a stacked Megatron tensor or an FSDP save's dim-0 shards spread over
-all of them; a worker holds its chunks as pseudo-ranks, the k-th of each tensor in its k-th
-(`slot_chunks`).
+record that DCP's FileSystemWriter wrote at a byte range of a `.distcp` file. On a filesystem the
+workers see, its tensor bytes are memory-mapped where they lie (`read_in_place`); in object
+storage, each piece the transfer asks for is fetched as the byte range of its chunk that holds
+it, when it is asked for (`RemoteChunks`). Nothing is copied to a spool either way. Workers
+share the chunks by bytes (`share_chunks`, pure), so a stacked Megatron tensor or an FSDP save's
+dim-0 shards spread over all of them; a worker holds its chunks as pseudo-ranks, the k-th of
+each tensor in its k-th (`slot_chunks`).
 
 How a file's records are found is written here rather than left to `torch.distributed.checkpoint.load`:
 torch's reader copies every chunk into a tensor the caller allocates, which for a worker's share
@@ -13,21 +15,24 @@ is hundreds of GB), and re-reads `.metadata` for every call.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from rayexport.common.dtypes import dtype_name, itemsize
+from rayexport.common.dtypes import itemsize
 from rayexport.common.errors import ExportError
-from rayexport.layouts.base import Advance, MappedTensors
+from rayexport.layouts.base import Advance, MappedTensors, SourceTensors
 from rayexport.layouts.mapped import map_range, mapped_ranges
 from rayexport.layouts.torch_zip import TensorRef, TorchZip
+from rayexport.plan.pieces import Piece, piece_tensor
 from rayexport.plan.schedule import assign_by_bytes
 from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.checkpoint.metadata import Metadata
 
     from rayexport.layouts.dcp_metadata import DcpTensor
@@ -131,39 +136,116 @@ class ChunkTensors(MappedTensors):
         return [span for path in self.paths for span in mapped_ranges(path)]
 
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
-        """Each chunk, placed in its tensor."""
-        infos = {}
-        for key, tensor in self.tensors.items():
-            chunk = self.chunks[key]
-            infos[key] = ShardInfo(
-                local_shape=chunk.sizes, dtype=dtype_name(tensor.dtype), global_shape=self.shapes[key], offset=chunk.offset,
-            )
-            advance(tensor.nbytes)
-        return infos
+        return _describe(self.chunks, self.shapes, advance)
+
+
+# Records parsed, and pieces fetched, at once from object storage by one worker.
+REQUESTS_IN_FLIGHT = 8
+
+
+def _record_start(store: Store, chunk: DcpChunk, unsafe_pickle: bool) -> int:
+    """Where the tensor bytes of `chunk`'s record start in its file, after checking the record
+    against `.metadata` (dtype, sizes), so that a file rewritten since the plan read it is refused
+    in one line rather than read as other bytes."""
+    where = f"the chunk at {list(chunk.offset)} of '{chunk.key}' in '{store.display(chunk.file)}'"
+    try:
+        record = TorchZip(store, chunk.file, unsafe=unsafe_pickle, window=(chunk.start, chunk.length))
+    except ExportError as error:
+        raise ExportError(f"{where} is not the torch.save record .metadata places there ({error})") from None
+    found = record.record
+    if not isinstance(found, TensorRef) or found.dtype != chunk.dtype or found.shape != chunk.sizes:
+        what = f"a {found.dtype} tensor of shape {list(found.shape)}" if isinstance(found, TensorRef) else "no tensor"
+        raise ExportError(
+            f"{where} holds {what}, not the {chunk.dtype} {list(chunk.sizes)} its .metadata lists: changed since it was listed?"
+        )
+    return record.byte_range(found)[0]
+
+
+def _describe(chunks: dict[str, DcpChunk], shapes: dict[str, tuple[int, ...]], advance: Advance) -> dict[str, ShardInfo]:
+    """Each chunk, placed in its tensor."""
+    infos = {}
+    for key, chunk in chunks.items():
+        infos[key] = ShardInfo(local_shape=chunk.sizes, dtype=chunk.dtype, global_shape=shapes[key], offset=chunk.offset)
+        advance(chunk.nbytes)
+    return infos
 
 
 def read_in_place(
     store: Store, chunks: list[DcpChunk], shapes: dict[str, tuple[int, ...]], unsafe_pickle: bool = False,
 ) -> ChunkTensors:
     """The chunks' tensors, each a view of its bytes where they lie in a local (or shared
-    filesystem's) `.distcp` file, memory-mapped: nothing is read until the transfer touches it.
-    Each record is checked against `.metadata` (dtype, sizes), so a file rewritten since the plan
-    read it is refused in one line rather than read as other bytes."""
+    filesystem's) `.distcp` file, memory-mapped: nothing is read until the transfer touches it."""
     tensors, by_key = {}, {}
     for chunk in sorted(chunks, key=lambda chunk: (chunk.file, chunk.start)):
-        where = f"the chunk at {list(chunk.offset)} of '{chunk.key}' in '{store.display(chunk.file)}'"
-        try:
-            record = TorchZip(store, chunk.file, unsafe=unsafe_pickle, window=(chunk.start, chunk.length))
-        except ExportError as error:
-            raise ExportError(f"{where} is not the torch.save record .metadata places there ({error})") from None
-        found = record.record
-        if not isinstance(found, TensorRef) or found.dtype != chunk.dtype or found.shape != chunk.sizes:
-            what = f"a {found.dtype} tensor of shape {list(found.shape)}" if isinstance(found, TensorRef) else "no tensor"
-            raise ExportError(
-                f"{where} holds {what}, not the {chunk.dtype} {list(chunk.sizes)} its .metadata lists: changed since it was listed?"
-            )
-        start, _ = record.byte_range(found)
+        start = _record_start(store, chunk, unsafe_pickle)
         tensors[chunk.key] = map_range(store.path(chunk.file), start, math.prod(chunk.sizes), chunk.dtype).view(chunk.sizes)
         by_key[chunk.key] = chunk
     paths = sorted({os.path.realpath(store.path(chunk.file)) for chunk in chunks})
     return ChunkTensors(tensors, by_key, {key: shapes[key] for key in by_key}, paths)
+
+
+class RemoteChunks(SourceTensors):
+    """One pseudo-rank's chunks of a checkpoint in object storage, by model key. Nothing is
+    fetched ahead: each piece the transfer asks for (`values`) is the byte range of its chunk
+    from its first element to its last, one ranged request, so that a worker holds at most the
+    pieces of the bucket it is on, and needs no local disk."""
+
+    fetches = True
+
+    def __init__(
+        self, store: Store, chunks: dict[str, DcpChunk], starts: dict[str, int], shapes: dict[str, tuple[int, ...]],
+    ) -> None:
+        self.store, self.chunks, self.starts, self.shapes = store, chunks, starts, shapes
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """The whole chunk of `key`, fetched (to compare tied copies)."""
+        chunk = self.chunks[key]
+        return self._fetch(chunk, 0, math.prod(chunk.sizes)).view(chunk.sizes)
+
+    def __iter__(self):
+        return iter(self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
+        return _describe(self.chunks, self.shapes, advance)
+
+    def values(self, piece: Piece) -> torch.Tensor:
+        """What `piece` takes from its chunk, fetched as the one byte range that holds it."""
+        chunk = self.chunks[piece.source_key]
+        if piece.region is None:
+            return self[piece.source_key]
+        strides = [math.prod(chunk.sizes[axis + 1:]) for axis in range(len(chunk.sizes))]
+        first = sum(start * stride for (start, _, _), stride in zip(piece.region, strides))
+        last = sum((start + (length - 1) * step) * stride for (start, length, step), stride in zip(piece.region, strides))
+        if any(length == 0 for _, length, _ in piece.region):
+            first, last = 0, -1
+        flat = self._fetch(chunk, first, last + 1 - first)
+        box = flat.as_strided([length for _, length, _ in piece.region], [stride * step for (_, _, step), stride in zip(piece.region, strides)])
+        return piece_tensor(box, replace(piece, region=tuple((0, length, 1) for _, length, _ in piece.region)))
+
+    def _fetch(self, chunk: DcpChunk, first: int, count: int) -> torch.Tensor:
+        """`count` elements of `chunk` from its element `first`, fetched into memory."""
+        import torch
+
+        from rayexport.common.dtypes import dtype_of
+
+        item = itemsize(chunk.dtype)
+        begin = self.starts[chunk.key] + first * item
+        data = bytearray(self.store.read_range(chunk.file, begin, begin + count * item)) if count > 0 else bytearray()
+        if len(data) != max(count, 0) * item:
+            raise ExportError(f"'{self.store.display(chunk.file)}' ends inside the chunk of '{chunk.key}': changed since it was listed?")
+        return torch.frombuffer(data, dtype=dtype_of(chunk.dtype)) if data else torch.empty(0, dtype=dtype_of(chunk.dtype))
+
+
+def read_remote(
+    store: Store, chunks: list[DcpChunk], shapes: dict[str, tuple[int, ...]], unsafe_pickle: bool = False,
+) -> RemoteChunks:
+    """The chunks of a checkpoint in object storage, each record found and checked (several at
+    once), none of their tensor bytes fetched yet."""
+    with concurrent.futures.ThreadPoolExecutor(REQUESTS_IN_FLIGHT) as pool:
+        starts = list(pool.map(lambda chunk: _record_start(store, chunk, unsafe_pickle), chunks))
+    by_key = {chunk.key: chunk for chunk in chunks}
+    return RemoteChunks(store, by_key, {chunk.key: start for chunk, start in zip(chunks, starts)},
+                        {key: shapes[key] for key in by_key})

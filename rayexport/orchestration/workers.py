@@ -6,6 +6,7 @@ tokenizer and code."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ from rayexport.common.passes import Count, Passes
 from rayexport.common.scan import max_abs_difference, scan_and_digest
 from rayexport.layouts import registry  # noqa: F401 - each layout's Checkpoint arrives pickled: imported at start, not in a load
 from rayexport.layouts.base import Checkpoint, Part
+from rayexport.layouts.dcp_chunks import REQUESTS_IN_FLIGHT
 from rayexport.layouts.mapped import release_pages
 from rayexport.orchestration import spool
 from rayexport.orchestration.progress import WorkerProgress
@@ -34,7 +36,6 @@ from rayexport.plan.schedule import TransferPlan
 from rayexport.plan.shards import ShardInfo, local_tensor
 from rayexport.storage.store import Store
 from rayexport.transport import gather
-from rayexport.transport.assembly import piece_tensor
 from rayexport.transport.writer import WrittenFile, write_index, write_shards, written_bytes
 from rayexport.verification.consumers import discard_prepared, prepare_consumer_checks, run_consumer_checks
 from rayexport.verification.expected import ExpectedExport
@@ -218,19 +219,21 @@ class ExportWorker:
 
     def _scanning_reader(
         self, wanted: dict[Piece, str | None], found: dict[Piece, tuple[bool, str | None]], count: Count
-    ) -> Callable[[Piece], torch.Tensor]:
-        """The transfer's reader of this worker's pieces: each piece in `wanted` is scanned (and
-        digested in the dtype given) as it is first read, its result put in `found`, so the
-        bytes it pulls from storage are the ones then packed or written, from the page cache."""
+    ) -> Callable[[tuple[Piece, ...]], list[torch.Tensor]]:
+        """The transfer's reader of this worker's pieces of a bucket: each piece in `wanted` is
+        scanned (and digested in the dtype given) as it is first read, its result put in
+        `found`, so the bytes it pulls from storage are the ones then packed or written, from
+        the page cache (or, fetched from object storage, from memory)."""
         scanned = self.progress_counts.counter("scanned")
 
-        def read(piece: Piece) -> torch.Tensor:
-            values = self._local(piece)
-            if piece in wanted and piece not in found:
-                dtype = wanted[piece]
-                found[piece] = scan_and_digest([values], dtype_of(dtype) if dtype is not None else None, count)
-                scanned(piece.nbytes)
-            return values
+        def read(pieces: tuple[Piece, ...]) -> list[torch.Tensor]:
+            all_values = self._local_all(pieces)
+            for piece, values in zip(pieces, all_values):
+                if piece in wanted and piece not in found:
+                    dtype = wanted[piece]
+                    found[piece] = scan_and_digest([values], dtype_of(dtype) if dtype is not None else None, count)
+                    scanned(piece.nbytes)
+            return all_values
 
         return read
 
@@ -278,8 +281,7 @@ class ExportWorker:
             write if my_files else None, after_read=self.release_pages, sent=self.progress_counts.counter("sent"),
             count=count,
         ) or ([], {})
-        for piece in wanted.keys() - scanned.keys():  # pieces the gather never reads: the empty ones
-            read(piece)
+        read(tuple(wanted.keys() - scanned.keys()))  # pieces the gather never reads: the empty ones
         index_file = write_index(destination, index, sha256) if index is not None else None
         files = {item.name: item.record() for item in written + ([index_file] if index_file else [])}
         for name, data in sorted(carried.items()):
@@ -365,4 +367,12 @@ class ExportWorker:
             self.spool_dir = None
 
     def _local(self, piece: Piece) -> torch.Tensor:
-        return piece_tensor(local_tensor(self.states[piece.rank][piece.source_key]), piece)
+        return self.states[piece.rank].values(piece)
+
+    def _local_all(self, pieces: tuple[Piece, ...]) -> list[torch.Tensor]:
+        """Each of `pieces`, those fetched from object storage (`SourceTensors.fetches`) several
+        at once."""
+        if len(pieces) < 2 or not any(self.states[piece.rank].fetches for piece in pieces):
+            return [self._local(piece) for piece in pieces]
+        with concurrent.futures.ThreadPoolExecutor(REQUESTS_IN_FLIGHT) as pool:
+            return list(pool.map(self._local, pieces))

@@ -13,6 +13,8 @@ from rayexport.common.dtypes import nbytes
 from rayexport.common.errors import ExportError
 
 if TYPE_CHECKING:
+    import torch
+
     from rayexport.plan.shards import ShardInfo
 
 # The pseudo-rank of tensors the exporter reads from a base model folder (LoRA-only checkpoints).
@@ -38,6 +40,17 @@ class Piece:
     @property
     def nbytes(self) -> int:
         return nbytes(self.shape, self.dtype)
+
+
+def piece_tensor(local: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """What `piece` takes from a rank's local shard: all of it, or for a converted tensor its
+    region laid out along the output's axes."""
+    if piece.region is None:
+        return local
+    region = local[tuple(slice(start, start + length * step, step) for start, length, step in piece.region)]
+    kept = [axis for axis in piece.axes if axis is not None]
+    dropped = [axis for axis in range(region.dim()) if axis not in kept]  # unit extent
+    return region.permute(kept + dropped).reshape(piece.shape)
 
 
 def is_run(piece: Piece, shape: tuple[int, ...]) -> bool:

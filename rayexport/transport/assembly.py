@@ -1,6 +1,6 @@
-"""Pieces of tensors, taken apart and put together: a rank's piece cut from its local shard, pieces
-packed into one aligned byte buffer for the wire and viewed back out of it, and an output
-tensor assembled from its pieces (or streamed as consecutive chunks, LoRA merged)."""
+"""Pieces of tensors put together: pieces packed into one aligned byte buffer for the wire and
+viewed back out of it, and an output tensor assembled from its pieces (or streamed as consecutive
+chunks, LoRA merged). A rank's piece is cut from its local shard by `plan.pieces.piece_tensor`."""
 
 from __future__ import annotations
 
@@ -13,17 +13,6 @@ from rayexport.plan.schedule import packed_offsets
 
 if TYPE_CHECKING:
     import torch
-
-
-def piece_tensor(local: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """What `piece` takes from a rank's local shard: all of it, or for a converted tensor its
-    region laid out along the output's axes."""
-    if piece.region is None:
-        return local
-    region = local[tuple(slice(start, start + length * step, step) for start, length, step in piece.region)]
-    kept = [axis for axis in piece.axes if axis is not None]
-    dropped = [axis for axis in range(region.dim()) if axis not in kept]  # unit extent
-    return region.permute(kept + dropped).reshape(piece.shape)
 
 
 def pack(pieces: tuple[Piece, ...], tensors: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:

@@ -221,7 +221,7 @@ def run_transfer(
     rank: int,
     buckets: tuple[Bucket, ...],
     plans: dict[str, TensorPlan],
-    local_piece: Callable[[Piece], torch.Tensor],
+    local_pieces: Callable[[tuple[Piece, ...]], list[torch.Tensor]],
     device: torch.device,
     write: Callable[[Iterator[tuple[str, list[torch.Tensor]]]], T] | None,
     window: int = WINDOW,
@@ -248,7 +248,7 @@ def run_transfer(
         if (slot := staging.acquire(writer_failed)) is None:
             return False
         pieces = bucket.sends[rank]
-        staging.send(slot, pieces, [local_piece(piece) for piece in pieces], bucket.writer)
+        staging.send(slot, pieces, local_pieces(pieces), bucket.writer)
         after_read()
         sent(_wire_bytes(bucket, rank))
         return True
@@ -265,7 +265,7 @@ def run_transfer(
             if ahead is not None and not send(ahead):
                 break
             pieces = staging.finish_receive(receiving)
-            pieces.update((piece, local_piece(piece)) for piece in bucket.sends[rank])
+            pieces.update(zip(bucket.sends[rank], local_pieces(bucket.sends[rank])))
             count("read", sum(piece.nbytes for piece in bucket.sends[rank]))
             writing.ready.put((bucket, slot, pieces))
             del pieces, receiving

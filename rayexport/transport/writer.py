@@ -7,6 +7,7 @@ no streaming writer), so each shard is written in one pass without holding it in
 from __future__ import annotations
 
 import json
+import math
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -129,7 +130,7 @@ def _write_shard(
         handle.write(header)
         for plan in ordered:
             name, chunks = next(tensors, (None, []))
-            shape = _chunked_shape(chunks)
+            shape = _chunked_shape(chunks, plan.shape)
             if name != plan.name or shape != plan.shape:
                 raise ExportError(
                     f"internal error: expected tensor '{plan.name}' {list(plan.shape)}, "
@@ -166,10 +167,14 @@ def write_index(store: Store, split: StateDictSplit, sha256: bool = False) -> Wr
     return written_bytes(SAFETENSORS_INDEX_FILE, data, sha256)
 
 
-def _chunked_shape(chunks: list[torch.Tensor]) -> tuple[int, ...] | None:
-    """The shape of the tensor that `chunks` (consecutive runs of rows) make up."""
+def _chunked_shape(chunks: list[torch.Tensor], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape of the tensor that `chunks` make up: consecutive runs of rows, or of the
+    flattened elements of a tensor of `shape` (1-D chunks of a tensor that is not 1-D)."""
     if not chunks:
         return None
+    if len(shape) != 1 and all(chunk.dim() == 1 for chunk in chunks):
+        numel = sum(chunk.numel() for chunk in chunks)
+        return tuple(shape) if numel == math.prod(shape) else (numel,)
     if len(chunks) == 1:
         return tuple(chunks[0].shape)
     return (sum(chunk.shape[0] for chunk in chunks),) + tuple(chunks[0].shape[1:])

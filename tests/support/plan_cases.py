@@ -88,7 +88,8 @@ def assembled(state, formats, world_size, output_format=ON_DISK, partition="fsdp
     """The planning of `state` (source tensors by name, row-sharded over `world_size` FSDP2
     ranks, or with `partition="zero"` in ZeRO's runs, `zero_partitions`) and each output tensor
     assembled from the pieces it asks of each rank's shard, as the workers would send them."""
-    from rayexport.transport.assembly import assemble, piece_tensor
+    from rayexport.plan.pieces import piece_tensor
+    from rayexport.transport.assembly import assemble
 
     if partition == "zero":
         partitions = zero_partitions(state, world_size)
