@@ -121,7 +121,7 @@ def read_times(path: str) -> dict[str, float]:
     checkpoint = find_dcp_checkpoint(store)
     shapes = {key: tensor.shape for key, tensor in checkpoint.tensors.items()}
     started = time.perf_counter()
-    slots = slot_chunks(list_chunks(checkpoint.tensors, read_metadata(store), store.uri))
+    slots = slot_chunks(list_chunks(checkpoint.tensors, read_metadata(store), store.uri), {})
     mapped = [read_in_place(store, slot, shapes) for slot in slots]
     in_place = time.perf_counter() - started
     ranges = [span for tensors in mapped for span in tensors.mapped_ranges()]

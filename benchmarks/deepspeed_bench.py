@@ -17,7 +17,9 @@ On the same files, each run once unmeasured first (both sides warm), then measur
   1. DeepSpeed's converter, as its users run it: `python <save>/zero_to_fp32.py <save> <out>
      --safe_serialization`, one process (fp32 safetensors, no config, no check);
   2. rayexport through its command line at each `--verify` level, writing fp32 too (`--dtype
-     float32`, the same bytes), joined to a Ray head started once (its start on its own line).
+     float32`, the same bytes), with its default writers (every worker), joined to a Ray head
+     started once (its start on its own line); with `--own-ray` also starting its own Ray, and
+     with `--before TREE` also from another checkout (the before of a change), in the same invocation.
 Wall time and the largest process's peak memory, side by side. Nothing here asserts a time.
 """
 
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "rayexport-deepspeed-bench"))
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     parser.add_argument("--before", metavar="TREE", help="also run every rayexport row from this checkout")
+    parser.add_argument("--own-ray", action="store_true", help="also run every rayexport row starting its own Ray")
     parser.add_argument("--write-checkpoint", nargs=2, metavar=("SAVE", "WORLD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.write_checkpoint:  # in DeepSpeed's Python
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     converter = [deepspeed, os.path.join(save, "zero_to_fp32.py"), save, out, "--safe_serialization"]
     ray_start_s, rows = against_rayexport(("DeepSpeed's zero_to_fp32.py (one process)", converter, env), save, out, levels,
                                           args.workers, args.bucket_size, report_path, ("--dtype", "float32"),
-                                          parse_size(args.cap) if args.cap else None, args.before)
+                                          parse_size(args.cap) if args.cap else None, args.before, args.own_ray)
     print(f"\n{nbytes / 1e9:.2f} GB on disk ({args.size} of fp32 weights, Adam's moments beside), ZeRO-3 over "
           f"{args.world_size} ranks; rayexport {args.workers} workers, joined to a Ray head (its start: {ray_start_s:.1f} s)\n")
     print_against(rows, "x zero_to_fp32")

@@ -166,13 +166,15 @@ def rayexport_run(
 def against_rayexport(
     baseline: tuple[str, list[str], dict[str, str] | None], src: str, out: str, levels: list[str], workers: int,
     bucket_size: str, report: str, extra: tuple[str, ...] = (), cap_bytes: int | None = None, before: str | None = None,
+    own_ray: bool = False,
 ) -> tuple[float, list[dict]]:
     """One baseline `(name, command, env)` against rayexport's command line at each `--verify`
     level, on `src`, each run once unmeasured first (both sides warm), then measured; rayexport
     joined to a Ray head started here once (its start, returned first, is not in its walls), with
-    its default writers. With `before` (a checkout), each level also runs from that tree. With
-    `cap_bytes` the baseline runs inside that memory cap (`measure_capped`) and may be killed. The
-    rows: run, wall_s and peak_bytes (the baseline's `exit`, rayexport's largest process and stages)."""
+    its default writers, and with `own_ray` also starting its own Ray (once the head is down). With
+    `before` (a checkout), each level also runs from that tree. With `cap_bytes` the baseline runs
+    inside that memory cap (`measure_capped`) and may be killed. The rows: run, wall_s and
+    peak_bytes (the baseline's `exit`, rayexport's largest process and stages)."""
     import ray
 
     name, command, env = baseline
@@ -180,24 +182,34 @@ def against_rayexport(
     ray.init(num_cpus=workers + 1, include_dashboard=False, logging_level="WARNING")
     ray_start_s = time.perf_counter() - started
     ray_env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    trees = ([("before: ", os.path.abspath(before))] if before else []) + [("", None)]
     rows = []
+
+    def rayexport_rows(label: str, environment: dict[str, str], warming: bool) -> None:
+        for tree_label, tree in trees:
+            for level in levels:
+                shutil.rmtree(out, ignore_errors=True)
+                seconds, measured = rayexport_run(src, out, workers, None, bucket_size, environment, report, level, extra, tree)
+                if not warming:
+                    process, peak = max(measured["peak_rss_bytes"].items(), key=lambda item: item[1])
+                    rows.append({"run": f"{tree_label}rayexport{label}, `--verify {level}`", "wall_s": seconds,
+                                 "peak_bytes": peak, "largest": process, "stages": measured["seconds"],
+                                 "passes": measured.get("passes")})
+
     try:
         for warming in (True, False):
             shutil.rmtree(out, ignore_errors=True)
             seconds, peak, code = measure_capped(command, env, cap_bytes) if cap_bytes else (*measure(command, env), 0)
             if not warming:
                 rows.append({"run": name, "wall_s": seconds, "peak_bytes": peak, "exit": code})
-            trees = ([("before: ", os.path.abspath(before))] if before else []) + [("", None)]
-            for label, tree in trees:
-                for level in levels:
-                    shutil.rmtree(out, ignore_errors=True)
-                    seconds, measured = rayexport_run(src, out, workers, None, bucket_size, ray_env, report, level, extra, tree)
-                    if not warming:
-                        process, peak = max(measured["peak_rss_bytes"].items(), key=lambda item: item[1])
-                        rows.append({"run": f"{label}rayexport, `--verify {level}`", "wall_s": seconds, "peak_bytes": peak,
-                                     "largest": process, "stages": measured["seconds"], "passes": measured.get("passes")})
+            rayexport_rows("", ray_env, warming)
     finally:
         ray.shutdown()
+    try:
+        own_env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+        for warming in (True, False) if own_ray else ():
+            rayexport_rows(" (own Ray)", own_env, warming)
+    finally:
         shutil.rmtree(out, ignore_errors=True)
     return ray_start_s, rows
 

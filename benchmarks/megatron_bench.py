@@ -17,8 +17,10 @@ On the same files, each run once unmeasured first (both sides warm), then measur
      `.pt`, then, in the same process, the conversion to Hugging Face names (each layer's q, k
      and v from its query groups, gate and up from `linear_fc1`'s halves) and safetensors'
      `save_file`, as a user without a converter writes it;
-  2. rayexport through its command line at each `--verify` level, joined to a Ray head started
-     once (its start is reported on its own line, as `ray job submit` runs on a cluster that is up).
+  2. rayexport through its command line at each `--verify` level, with its default writers (every
+     worker), joined to a Ray head started once (its start is reported on its own line, as `ray
+     job submit` runs on a cluster that is up); with `--own-ray` also starting its own Ray, and
+     with `--before TREE` also from another checkout (the before of a change), in the same invocation.
 Wall time and the largest process's peak memory, side by side. Nothing here asserts a time.
 """
 
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "rayexport-megatron-bench"))
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     parser.add_argument("--before", metavar="TREE", help="also run every rayexport row from this checkout")
+    parser.add_argument("--own-ray", action="store_true", help="also run every rayexport row starting its own Ray")
     parser.add_argument("--single-process", nargs=2, metavar=("ACTOR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.single_process:  # the baseline, in a process of its own so that its peak is its own
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = ("dcp_to_torch_save, then convert (one process)",
                 [sys.executable, os.path.abspath(__file__), "--single-process", actor, out], None)
     ray_start_s, rows = against_rayexport(baseline, actor, out, levels, args.workers, args.bucket_size, report_path,
-                                          before=args.before)
+                                          before=args.before, own_ray=args.own_ray)
     print(f"\n{nbytes / 1e9:.2f} GB, {config.num_hidden_layers} layers, world size {args.world_size}; "
           f"rayexport {args.workers} workers, joined to a Ray head (its start: {ray_start_s:.1f} s)\n")
     print_against(rows, "x one process")

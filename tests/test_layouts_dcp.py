@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from rayexport.common.errors import ExportError
 from rayexport.common.scan import is_finite
 from rayexport.layouts.dcp import find_dcp_checkpoint
-from rayexport.layouts.dcp_chunks import list_chunks, read_in_place, share_chunks, slot_chunks
+from rayexport.layouts.dcp_chunks import DcpChunk, list_chunks, read_in_place, share_chunks, slot_chunks
 from rayexport.layouts.dcp_metadata import DCP_METADATA, read_metadata
 from rayexport.layouts.base import SourceSettings
 from rayexport.layouts.registry import detect_layout, find_checkpoint, snapshot
@@ -187,7 +187,7 @@ def test_each_file_read_alone_gives_its_chunks_in_place_which_together_rebuild_e
         alone = tmp_path / file
         alone.mkdir()
         os.symlink(os.path.join(store.path(), file), alone / file)  # the only data file it can reach
-        for slot in slot_chunks([chunk for chunk in chunks if chunk.file == file]):
+        for slot in slot_chunks([chunk for chunk in chunks if chunk.file == file], {}):
             held = read_in_place(Store(str(alone)), slot, shapes)
             assert held.mapped_ranges()  # views of the file itself
             for key, info in held.describe().items():
@@ -213,12 +213,29 @@ def test_chunks_are_shared_by_bytes_with_tied_boxes_together(written, workers):
     largest_unit = max(chunk.nbytes for chunk in chunks) * 2
     assert max(loads) - min(loads) <= largest_unit
     for share in shares.values():
-        for slot in slot_chunks(share):
+        for slot in slot_chunks(share, tie_groups):
             keys = [chunk.key for chunk in slot]
             assert len(keys) == len(set(keys))  # a pseudo-rank holds one chunk of a tensor
             boxes = {chunk.key: chunk.offset for chunk in slot}
             if "lm_head.weight" in boxes or "model.embed_tokens.weight" in boxes:
                 assert boxes.get("lm_head.weight") == boxes.get("model.embed_tokens.weight")
+
+
+def test_tied_copies_saved_in_other_boxes_never_meet_in_a_slot():
+    """Twins saved in the same boxes meet box by box; a twin cut otherwise shares no slot with
+    the other, so its values are never compared with another box's (the pair then goes
+    uncompared, which the export refuses by name rather than comparing the wrong rows)."""
+    def chunk(key, row, rows):
+        return DcpChunk(key, (row, 0), (rows, 4), "__0_0.distcp", row * 100, 100, "float32")
+
+    groups = {"lm_head.weight": "embed.weight"}
+    same = [chunk("embed.weight", 0, 2), chunk("embed.weight", 2, 2), chunk("lm_head.weight", 2, 2), chunk("lm_head.weight", 0, 2)]
+    assert [{(c.key, c.offset) for c in slot} for slot in slot_chunks(same, groups)] == [
+        {("embed.weight", (0, 0)), ("lm_head.weight", (0, 0))}, {("embed.weight", (2, 0)), ("lm_head.weight", (2, 0))},
+    ]
+    other = [chunk("embed.weight", 0, 2), chunk("embed.weight", 2, 2), chunk("lm_head.weight", 0, 3), chunk("lm_head.weight", 3, 1)]
+    for slot in slot_chunks(other, groups):
+        assert len({c.key for c in slot}) == len(slot) == 1
 
 
 def test_a_record_that_does_not_match_its_metadata_is_one_line(written, tmp_path):

@@ -69,7 +69,7 @@ class DcpCheckpoint(Checkpoint):
         worker_of_rank: dict[int, int] = {}
         for worker, share in sorted(share_chunks(chunks, num_workers, tie_groups, file_readers).items()):
             slots = {}
-            for slot in slot_chunks(share):
+            for slot in slot_chunks(share, tie_groups):
                 slots[len(worker_of_rank)] = tuple(slot)
                 worker_of_rank[len(worker_of_rank)] = worker
             parts[worker] = ChunksPart(slots)

@@ -86,15 +86,22 @@ def list_chunks(tensors: dict[str, DcpTensor], metadata: Metadata, uri: str) -> 
     return chunks
 
 
+def _units(chunks: list[DcpChunk], tie_groups: dict[str, str]) -> dict[tuple, list[DcpChunk]]:
+    """The chunks by (tie group, box): a tensor's chunk alone, or one box of every tied copy
+    saved in it, which are read, and compared, together."""
+    units: dict[tuple, list[DcpChunk]] = {}
+    for chunk in chunks:
+        units.setdefault((tie_groups.get(chunk.key, chunk.key), chunk.offset, chunk.sizes), []).append(chunk)
+    return units
+
+
 def share_chunks(
     chunks: list[DcpChunk], num_workers: int, tie_groups: dict[str, str], file_readers: dict[str, int] | None = None,
 ) -> dict[int, list[DcpChunk]]:
     """Each worker's chunks: about equal bytes each, the same box of tied tensors (`tie_groups`:
     model key -> its group's canonical key) on one worker; where `file_readers` places the files,
     each chunk on its file's reader."""
-    units: dict[tuple, list[DcpChunk]] = {}
-    for chunk in chunks:
-        units.setdefault((tie_groups.get(chunk.key, chunk.key), chunk.offset, chunk.sizes), []).append(chunk)
+    units = _units(chunks, tie_groups)
     if file_readers is not None:
         worker_of = {unit: file_readers[members[0].file] for unit, members in units.items()}
     else:
@@ -109,19 +116,20 @@ def share_chunks(
     return shares
 
 
-def slot_chunks(chunks: list[DcpChunk]) -> list[list[DcpChunk]]:
+def slot_chunks(chunks: list[DcpChunk], tie_groups: dict[str, str]) -> list[list[DcpChunk]]:
     """A worker's chunks as pseudo-ranks, each holding at most one chunk of a tensor: the k-th
-    slot the k-th chunk of each tensor (by offset), so that tied tensors saved in the same boxes
-    meet in the same slots, where they are compared."""
-    by_key: dict[str, list[DcpChunk]] = {}
-    for chunk in chunks:
-        by_key.setdefault(chunk.key, []).append(chunk)
+    slot the k-th box (by offset) of each tensor, or of each tie group, whose copies saved in
+    that box meet there, where they are compared (copies saved in other boxes never meet)."""
+    by_group: dict[str, list[tuple]] = {}
+    units = _units(chunks, tie_groups)
+    for unit in units:
+        by_group.setdefault(unit[0], []).append(unit)
     slots: list[list[DcpChunk]] = []
-    for key in sorted(by_key):
-        for slot, chunk in enumerate(sorted(by_key[key], key=lambda chunk: chunk.offset)):
+    for group in sorted(by_group):
+        for slot, unit in enumerate(sorted(by_group[group], key=lambda unit: (unit[1], unit[2]))):
             while len(slots) <= slot:
                 slots.append([])
-            slots[slot].append(chunk)
+            slots[slot].extend(units[unit])
     return slots
 
 
