@@ -122,9 +122,9 @@ def read_times(path: str) -> dict[str, float]:
     shapes = {key: tensor.shape for key, tensor in checkpoint.tensors.items()}
     started = time.perf_counter()
     slots = slot_chunks(list_chunks(checkpoint.tensors, read_metadata(store), store.uri), {})
-    mapped = [read_in_place(store, slot, shapes) for slot in slots]
+    mapped = list(read_in_place(store, dict(enumerate(slots)), shapes).values())
     in_place = time.perf_counter() - started
-    ranges = [span for tensors in mapped for span in tensors.mapped_ranges()]
+    ranges = mapped[0].mapped_ranges()
     started = time.perf_counter()
     for tensors in mapped:
         for key in tensors:

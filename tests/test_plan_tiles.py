@@ -5,13 +5,12 @@ from dataclasses import replace
 
 import torch
 
-from rayexport.plan.pieces import Piece
 import pytest
 
+from rayexport.plan.pieces import Piece, piece_tensor
 from rayexport.plan.tiles import (
-    concatenate, drop_axis, insert_axis, invert, is_whole, narrow, permute, select, select_runs, whole,
+    BoxIndex, Tile, concatenate, drop_axis, insert_axis, invert, is_whole, narrow, permute, select, select_runs, whole,
 )
-from rayexport.plan.pieces import piece_tensor
 
 
 def rebuild(tiles, sources, shape, shards=None):
@@ -140,3 +139,21 @@ def test_a_transposed_tile_is_not_cut_from_runs():
     tiles = permute((whole("w", (7, 4)),), (1, 0))
     with pytest.raises(ValueError, match="transposed or strided tile of 'w'"):
         select_runs(tiles[0], (7, 4), (4, 7), 0, 28)
+
+
+def test_a_box_index_finds_exactly_the_boxes_a_tile_meets():
+    """A tensor saved a chunk per layer and expert, and tiles of it (whole, strided, a block of
+    rows of one expert): the index finds the boxes `select` meets, no more, in order."""
+    layers, experts, rows, columns = 3, 4, 6, 5
+    boxes = [((layer, expert, half * 3, 0), (1, 1, 3, columns))
+             for layer in range(layers) for expert in range(experts) for half in range(2)]
+    boxes.append(((0, 0, 0, 0), (0, 0, 0, 0)))  # an empty box meets nothing
+    index = BoxIndex(boxes)
+    tiles = [
+        whole("w", (layers, experts, rows, columns)),
+        Tile("w", (0, 0), (2, columns), (1, 2, 2, 0), (2, 3)),
+        Tile("w", (0, 0, 0), (experts, 2, columns), (2, 0, 1, 0), (1, 2, 3), steps=(1, 1, 3, 1)),
+    ]
+    for tile in tiles:
+        expected = [position for position, (offset, shape) in enumerate(boxes) if select(tile, offset, shape) is not None]
+        assert index.meeting(tile) == expected

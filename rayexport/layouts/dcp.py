@@ -87,7 +87,7 @@ class DcpCheckpoint(Checkpoint):
 
         shapes = {key: tensor.shape for key, tensor in self.tensors.items()}
         read = read_in_place if self.store.is_local else read_remote
-        return {rank: read(self.store, list(chunks), shapes, self.unsafe_pickle) for rank, chunks in part.slots.items()}
+        return read(self.store, {rank: list(chunks) for rank, chunks in part.slots.items()}, shapes, self.unsafe_pickle)
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from rayexport.common.dtypes import itemsize
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import Advance, MappedTensors, SourceTensors
-from rayexport.layouts.mapped import map_range, mapped_ranges
+from rayexport.layouts.mapped import FileMaps
 from rayexport.layouts.torch_zip import TensorRef, TorchZip
 from rayexport.plan.pieces import Piece, piece_tensor
 from rayexport.plan.schedule import assign_by_bytes
@@ -134,14 +133,15 @@ def slot_chunks(chunks: list[DcpChunk], tie_groups: dict[str, str]) -> list[list
 
 
 class ChunkTensors(MappedTensors):
-    """One pseudo-rank's chunks, by model key: views of the `.distcp` files, mapped in place."""
+    """One pseudo-rank's chunks, by model key: views of the `.distcp` files, mapped in place
+    (`maps`, the files its worker mapped, each once for all its pseudo-ranks)."""
 
-    def __init__(self, tensors: dict, chunks: dict[str, DcpChunk], shapes: dict[str, tuple[int, ...]], paths: list[str]):
+    def __init__(self, tensors: dict, chunks: dict[str, DcpChunk], shapes: dict[str, tuple[int, ...]], maps: FileMaps):
         super().__init__(tensors, None)
-        self.chunks, self.shapes, self.paths = chunks, shapes, paths
+        self.chunks, self.shapes, self.maps = chunks, shapes, maps
 
     def mapped_ranges(self) -> list[tuple[int, int]]:
-        return [span for path in self.paths for span in mapped_ranges(path)]
+        return self.maps.ranges()
 
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
         return _describe(self.chunks, self.shapes, advance)
@@ -179,17 +179,20 @@ def _describe(chunks: dict[str, DcpChunk], shapes: dict[str, tuple[int, ...]], a
 
 
 def read_in_place(
-    store: Store, chunks: list[DcpChunk], shapes: dict[str, tuple[int, ...]], unsafe_pickle: bool = False,
-) -> ChunkTensors:
-    """The chunks' tensors, each a view of its bytes where they lie in a local (or shared
-    filesystem's) `.distcp` file, memory-mapped: nothing is read until the transfer touches it."""
-    tensors, by_key = {}, {}
-    for chunk in sorted(chunks, key=lambda chunk: (chunk.file, chunk.start)):
-        start = _record_start(store, chunk, unsafe_pickle)
-        tensors[chunk.key] = map_range(store.path(chunk.file), start, math.prod(chunk.sizes), chunk.dtype).view(chunk.sizes)
-        by_key[chunk.key] = chunk
-    paths = sorted({os.path.realpath(store.path(chunk.file)) for chunk in chunks})
-    return ChunkTensors(tensors, by_key, {key: shapes[key] for key in by_key}, paths)
+    store: Store, slots: dict[int, list[DcpChunk]], shapes: dict[str, tuple[int, ...]], unsafe_pickle: bool = False,
+) -> dict[int, ChunkTensors]:
+    """Each pseudo-rank's chunks, each a view of its bytes where they lie in a local (or shared
+    filesystem's) `.distcp` file, every file memory-mapped once: nothing is read until the
+    transfer touches it."""
+    maps = FileMaps()
+    held = {}
+    for rank, chunks in slots.items():
+        tensors = {}
+        for chunk in sorted(chunks, key=lambda chunk: (chunk.file, chunk.start)):
+            start = _record_start(store, chunk, unsafe_pickle)
+            tensors[chunk.key] = maps.view(store.path(chunk.file), start, math.prod(chunk.sizes), chunk.dtype).view(chunk.sizes)
+        held[rank] = ChunkTensors(tensors, {chunk.key: chunk for chunk in chunks}, shapes, maps)
+    return held
 
 
 class RemoteChunks(SourceTensors):
@@ -248,12 +251,14 @@ class RemoteChunks(SourceTensors):
 
 
 def read_remote(
-    store: Store, chunks: list[DcpChunk], shapes: dict[str, tuple[int, ...]], unsafe_pickle: bool = False,
-) -> RemoteChunks:
-    """The chunks of a checkpoint in object storage, each record found and checked (several at
-    once), none of their tensor bytes fetched yet."""
+    store: Store, slots: dict[int, list[DcpChunk]], shapes: dict[str, tuple[int, ...]], unsafe_pickle: bool = False,
+) -> dict[int, RemoteChunks]:
+    """Each pseudo-rank's chunks of a checkpoint in object storage, each record found and checked
+    (several at once), none of their tensor bytes fetched yet."""
+    chunks = [chunk for held in slots.values() for chunk in held]
     with concurrent.futures.ThreadPoolExecutor(REQUESTS_IN_FLIGHT) as pool:
-        starts = list(pool.map(lambda chunk: _record_start(store, chunk, unsafe_pickle), chunks))
-    by_key = {chunk.key: chunk for chunk in chunks}
-    return RemoteChunks(store, by_key, {chunk.key: start for chunk, start in zip(chunks, starts)},
-                        {key: shapes[key] for key in by_key})
+        starts = dict(zip(chunks, pool.map(lambda chunk: _record_start(store, chunk, unsafe_pickle), chunks)))
+    return {
+        rank: RemoteChunks(store, {chunk.key: chunk for chunk in held}, {chunk.key: starts[chunk] for chunk in held}, shapes)
+        for rank, held in slots.items()
+    }

@@ -51,6 +51,32 @@ def map_range(path: str, offset: int, count: int, dtype: str) -> torch.Tensor:
     return torch.from_numpy(raw).view(torch_dtype)
 
 
+class FileMaps:
+    """Files memory-mapped whole, copy-on-write, each once however many views are taken of it:
+    a checkpoint of many chunks (a 235B model's tens of thousands) costs a mapping per file,
+    not per chunk, and its pages are given back with one call per file."""
+
+    def __init__(self) -> None:
+        self.maps: dict[str, Any] = {}
+
+    def view(self, path: str, offset: int, count: int, dtype: str) -> torch.Tensor:
+        """`count` elements of `dtype` at byte `offset` of `path` (which need not be aligned)."""
+        import numpy as np
+        import torch
+
+        torch_dtype = dtype_of(dtype)
+        if count == 0:
+            return torch.empty(0, dtype=torch_dtype)
+        if path not in self.maps:
+            self.maps[path] = np.memmap(path, dtype=np.uint8, mode="c")
+        raw = self.maps[path][offset:offset + count * torch_dtype.itemsize]
+        return torch.from_numpy(raw).view(torch_dtype)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The address range of each mapped file, for `release_pages`."""
+        return [(mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes) for mapped in self.maps.values()]
+
+
 def mapped_ranges(path: str) -> list[tuple[int, int]]:
     """The address ranges at which this process maps `path` (Linux; empty elsewhere)."""
     target = os.path.realpath(path)

@@ -176,7 +176,7 @@ class ExportWorker:
         loaded = self.progress_counts.counter("loaded")
         for rank, tensors in checkpoint.read(part, self.spool_dir, self.progress_counts.counter("spooled")).items():
             self.states[rank] = tensors
-            self.mapped += tensors.mapped_ranges()
+            self.mapped += [span for span in tensors.mapped_ranges() if span not in self.mapped]  # files shared by ranks once
             infos[rank] = tensors.describe(loaded)
         self.bytes_read += total
         spooled, count = self.progress_counts.done["spooled"], self.passes.counter("load")

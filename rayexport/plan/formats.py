@@ -15,7 +15,7 @@ from typing import Iterable, Literal, get_args
 
 from rayexport.common.errors import ExportError
 from rayexport.plan.pieces import Piece, is_run
-from rayexport.plan.tiles import Tile, invert, is_whole, select, select_runs
+from rayexport.plan.tiles import BoxIndex, Tile, invert, is_whole, select, select_runs
 
 # The formats an export's tensors can be written in (`--format`), owned here: everything else
 # compares with these names.
@@ -166,6 +166,7 @@ def convert_plans(
         return plans
     by_name = {plan.name: plan for plan in plans}
     converted, used = [], set()
+    meeting = _MeetingPieces()
     for name, parts in tiles.items():
         sources = [by_name.get(tile.source) for tile in parts]
         if not any(sources):
@@ -191,7 +192,7 @@ def convert_plans(
         pieces = tuple(
             converted_piece
             for tile, plan in zip(parts, sources)
-            for piece in plan.pieces
+            for piece in meeting(plan, tile)
             for converted_piece in _tile_pieces(tile, plan, piece, name, shape, source_kind)
         )
         if len(pieces) > MAX_PIECES:
@@ -204,6 +205,26 @@ def convert_plans(
     if unused:
         raise ExportError(f"tensor '{unused[0]}' has no place in the {target_kind} format")
     return converted
+
+
+# A source tensor of more pieces than this is searched through a `BoxIndex` for each tile.
+INDEXED_PIECES = 64
+
+
+class _MeetingPieces:
+    """The pieces of a source plan that a tile may take from: all of them, or for a tensor held
+    in many boxes those its `BoxIndex` finds (ZeRO's runs of a flattened tensor, few, are all
+    tried)."""
+
+    def __init__(self) -> None:
+        self.indexes: dict[str, BoxIndex | None] = {}
+
+    def __call__(self, plan, tile: Tile) -> tuple[Piece, ...] | list[Piece]:
+        if plan.name not in self.indexes:
+            boxes = len(plan.pieces) > INDEXED_PIECES and not any(is_run(piece, plan.shape) for piece in plan.pieces)
+            self.indexes[plan.name] = BoxIndex([(piece.offset, piece.shape) for piece in plan.pieces]) if boxes else None
+        index = self.indexes[plan.name]
+        return plan.pieces if index is None else [plan.pieces[position] for position in index.meeting(tile)]
 
 
 def _tile_pieces(tile: Tile, plan, piece: Piece, name: str, shape: tuple[int, ...], source_kind: Format) -> list[Piece]:
