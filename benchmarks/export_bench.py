@@ -22,6 +22,7 @@ checkpoint size (`--plots DIR`, default docs/images). Nothing here asserts a tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -156,11 +158,35 @@ def rayexport_run(
         *(("--writers", str(writers)) if writers is not None else ()), "--verify", verify, "--bucket-size", bucket_size,
         "--report", report, "--log-level", "WARNING", *extra,
     ]
-    if tree is not None:  # `python -m` puts its working directory first on the path
+    if tree is not None:  # its workers, and `python -m`, which puts its working directory first on the path
         env = dict(env, PYTHONPATH=tree)
     seconds, _ = measure(command, env, tree)
     with open(report) as handle:
         return seconds, json.load(handle)
+
+
+# The checkout these benchmarks belong to: the "after" of a comparison with `--before TREE`.
+THIS_TREE = os.path.dirname(HERE)
+
+
+@contextlib.contextmanager
+def ray_head(tree: str, num_cpus: int) -> Iterator[tuple[str, float]]:
+    """A Ray head in a process of its own whose workers import rayexport from the checkout
+    `tree` (its PYTHONPATH, which the raylet's worker processes inherit); its address and how long
+    it took to start. It is stopped, by its own `ray.shutdown`, when the block ends."""
+    script = ("import ray, sys; ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, logging_level='WARNING'); "
+              "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read(); ray.shutdown()")
+    started = time.perf_counter()
+    head = subprocess.Popen([sys.executable, "-c", script, str(num_cpus)], env=dict(os.environ, PYTHONPATH=tree),
+                            cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = head.stdout.readline().strip()
+        if not address:
+            raise RuntimeError("the Ray head did not start")
+        yield address, time.perf_counter() - started
+    finally:
+        head.stdin.close()
+        head.wait(timeout=120)
 
 
 def against_rayexport(
@@ -170,31 +196,24 @@ def against_rayexport(
 ) -> tuple[float, list[dict]]:
     """One baseline `(name, command, env)` against rayexport's command line at each `--verify`
     level, on `src`, each run once unmeasured first (both sides warm), then measured; rayexport
-    joined to a Ray head started here once (its start, returned first, is not in its walls), with
-    its default writers, and with `own_ray` also starting its own Ray (once the head is down). With
-    `before` (a checkout), each level also runs from that tree. With `cap_bytes` the baseline runs
-    inside that memory cap (`measure_capped`) and may be killed. The rows: run, wall_s and
-    peak_bytes (the baseline's `exit`, rayexport's largest process and stages)."""
-    import ray
-
+    joined to a Ray head (its start, returned first, is not in its walls), with its default
+    writers, and with `own_ray` also starting its own Ray. With `before` (a checkout), each level
+    also runs from that tree, driver and workers (on a head of its own). With `cap_bytes` the
+    baseline runs inside that memory cap (`measure_capped`) and may be killed. The rows: run,
+    wall_s and peak_bytes (the baseline's `exit`, rayexport's largest process and stages)."""
     name, command, env = baseline
-    started = time.perf_counter()
-    ray.init(num_cpus=workers + 1, include_dashboard=False, logging_level="WARNING")
-    ray_start_s = time.perf_counter() - started
-    ray_env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-    trees = ([("before: ", os.path.abspath(before))] if before else []) + [("", None)]
-    rows = []
+    trees = ([("before: ", os.path.abspath(before))] if before else []) + [("", THIS_TREE)]
+    own_env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    rows, ray_start_s = [], 0.0
 
-    def rayexport_rows(label: str, environment: dict[str, str], warming: bool) -> None:
-        for tree_label, tree in trees:
-            for level in levels:
-                shutil.rmtree(out, ignore_errors=True)
-                seconds, measured = rayexport_run(src, out, workers, None, bucket_size, environment, report, level, extra, tree)
-                if not warming:
-                    process, peak = max(measured["peak_rss_bytes"].items(), key=lambda item: item[1])
-                    rows.append({"run": f"{tree_label}rayexport{label}, `--verify {level}`", "wall_s": seconds,
-                                 "peak_bytes": peak, "largest": process, "stages": measured["seconds"],
-                                 "passes": measured.get("passes")})
+    def rayexport_rows(label: str, tree: str, environment: dict[str, str], warming: bool) -> None:
+        for level in levels:
+            shutil.rmtree(out, ignore_errors=True)
+            seconds, measured = rayexport_run(src, out, workers, None, bucket_size, environment, report, level, extra, tree)
+            if not warming:
+                process, peak = max(measured["peak_rss_bytes"].items(), key=lambda item: item[1])
+                rows.append({"run": f"{label}rayexport, `--verify {level}`", "wall_s": seconds, "peak_bytes": peak,
+                             "largest": process, "stages": measured["seconds"], "passes": measured.get("passes")})
 
     try:
         for warming in (True, False):
@@ -202,13 +221,12 @@ def against_rayexport(
             seconds, peak, code = measure_capped(command, env, cap_bytes) if cap_bytes else (*measure(command, env), 0)
             if not warming:
                 rows.append({"run": name, "wall_s": seconds, "peak_bytes": peak, "exit": code})
-            rayexport_rows("", ray_env, warming)
-    finally:
-        ray.shutdown()
-    try:
-        own_env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-        for warming in (True, False) if own_ray else ():
-            rayexport_rows(" (own Ray)", own_env, warming)
+            for label, tree in trees:
+                with ray_head(tree, workers + 1) as (address, started_s):
+                    ray_start_s = started_s
+                    rayexport_rows(label, tree, dict(own_env, RAY_ADDRESS=address), warming)
+                if own_ray:
+                    rayexport_rows(f"{label}own Ray, ", tree, own_env, warming)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return ray_start_s, rows
