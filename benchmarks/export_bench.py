@@ -170,20 +170,24 @@ THIS_TREE = os.path.dirname(HERE)
 
 
 @contextlib.contextmanager
-def ray_head(tree: str, num_cpus: int) -> Iterator[tuple[str, float]]:
+def ray_head(tree: str, num_cpus: int) -> Iterator[tuple[dict[str, str], float]]:
     """A Ray head in a process of its own whose workers import rayexport from the checkout
-    `tree` (its PYTHONPATH, which the raylet's worker processes inherit); its address and how long
-    it took to start. It is stopped, by its own `ray.shutdown`, when the block ends."""
-    script = ("import ray, sys; ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, logging_level='WARNING'); "
-              "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read(); ray.shutdown()")
+    `tree` (its PYTHONPATH, which the raylet's worker processes inherit); the environment a
+    process joins it with, and how long it took to start. It is stopped, by its own
+    `ray.shutdown`, when the block ends."""
+    script = ("import json, os, ray, sys; ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, logging_level='WARNING'); "
+              "print(json.dumps({'RAY_ADDRESS': ray.get_runtime_context().gcs_address, "
+              "**{key: value for key, value in os.environ.items() if key == 'RAY_AUTH_MODE'}}), flush=True); "
+              "sys.stdin.read(); ray.shutdown()")
     started = time.perf_counter()
     head = subprocess.Popen([sys.executable, "-c", script, str(num_cpus)], env=dict(os.environ, PYTHONPATH=tree),
                             cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        address = head.stdout.readline().strip()
-        if not address:
+        joining = head.stdout.readline().strip()
+        if not joining:
             raise RuntimeError("the Ray head did not start")
-        yield address, time.perf_counter() - started
+        # what a process joining it needs: its address, and the token mode Ray set for the head's children
+        yield json.loads(joining), time.perf_counter() - started
     finally:
         head.stdin.close()
         head.wait(timeout=120)
@@ -222,9 +226,9 @@ def against_rayexport(
             if not warming:
                 rows.append({"run": name, "wall_s": seconds, "peak_bytes": peak, "exit": code})
             for label, tree in trees:
-                with ray_head(tree, workers + 1) as (address, started_s):
+                with ray_head(tree, workers + 1) as (joining, started_s):
                     ray_start_s = started_s
-                    rayexport_rows(label, tree, dict(own_env, RAY_ADDRESS=address), warming)
+                    rayexport_rows(label, tree, dict(own_env, **joining), warming)
                 if own_ray:
                     rayexport_rows(f"{label}own Ray, ", tree, own_env, warming)
     finally:
