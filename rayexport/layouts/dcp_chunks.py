@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from rayexport.common.dtypes import itemsize
+from rayexport.common.dtypes import dtype_of, itemsize
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import Advance, MappedTensors, SourceTensors
 from rayexport.layouts.mapped import FileMaps
@@ -233,14 +233,14 @@ class RemoteChunks(SourceTensors):
         if any(length == 0 for _, length, _ in piece.region):
             first, last = 0, -1
         flat = self._fetch(chunk, first, last + 1 - first)
-        box = flat.as_strided([length for _, length, _ in piece.region], [stride * step for (_, _, step), stride in zip(piece.region, strides)])
+        box = flat.as_strided(
+            [length for _, length, _ in piece.region], [stride * step for (_, _, step), stride in zip(piece.region, strides)]
+        )
         return piece_tensor(box, replace(piece, region=tuple((0, length, 1) for _, length, _ in piece.region)))
 
     def _fetch(self, chunk: DcpChunk, first: int, count: int) -> torch.Tensor:
         """`count` elements of `chunk` from its element `first`, fetched into memory."""
         import torch
-
-        from rayexport.common.dtypes import dtype_of
 
         item = itemsize(chunk.dtype)
         begin = self.starts[chunk.key] + first * item
