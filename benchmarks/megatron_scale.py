@@ -31,21 +31,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # support: the sparse checkpoint's writer
 
+from rayexport.common.memory import status_bytes  # noqa: E402
+
 GB = 10**9
 MiB = 2**20
-_PHASE = re.compile(r"rayexport\.orchestration\.report: (\w+): (?:([\d.]+) GB in )?([\d.]+) s")
-
-
-def peak_rss(pid: int) -> int:
-    """The largest resident memory process `pid` has had (VmHWM), 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+_PHASE = re.compile(r"rayexport\.orchestration\.report: (\w+): (?:[\d.]+ GB in )?([\d.]+) s")
 
 
 def worker_pids(ray) -> list[int]:
@@ -98,7 +88,7 @@ def run(actor: str, out: str, workers: int, seconds: float, env: dict[str, str],
             lines.append(line)
             found = _PHASE.search(line)
             if found:
-                phases[found.group(1)] = float(found.group(3))
+                phases[found.group(1)] = float(found.group(2))
             if "progress: transfer:" in line:
                 progress.append(line.split("progress: ", 1)[1].strip())
                 transferring.set()
@@ -117,8 +107,8 @@ def run(actor: str, out: str, workers: int, seconds: float, env: dict[str, str],
         time.sleep(0.5)
         spooled = max(spooled, folder_bytes(spool_root()))
     for index, pid in enumerate(pids):
-        peaks[f"worker{index}"] = peak_rss(pid)
-    peaks["driver"] = peak_rss(process.pid)
+        peaks[f"worker{index}"] = status_bytes("VmHWM", pid)
+    peaks["driver"] = status_bytes("VmHWM", process.pid)
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
     code = process.wait(timeout=120)

@@ -8,12 +8,12 @@ import resource
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory since it started or since `reset_peak_rss()`."""
-    return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def rss_bytes() -> int:
     """This process's resident memory now."""
-    return _status_bytes("VmRSS")
+    return status_bytes("VmRSS")
 
 
 def reset_peak_rss() -> bool:
@@ -26,9 +26,11 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A memory field of /proc/PID/status (`VmHWM`, `VmRSS`, ...) in bytes; 0 where there is
+    none (not Linux, or the process is gone)."""
     try:
-        with open("/proc/self/status") as status:
+        with open(f"/proc/{pid}/status") as status:
             for line in status:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
