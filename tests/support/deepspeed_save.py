@@ -112,6 +112,13 @@ def build_model(args: argparse.Namespace, config: dict):
     if args.zero_init:
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = model_class(hf)
+        # transformers' initialisation does not reach a fused experts tensor that ZeRO-3
+        # partitioned as it was made: it kept torch.empty's bytes (NaN at times, which no export
+        # compares equal). Rank 0 gives those values, as a trained model would have.
+        experts = [param for name, param in model.named_parameters() if ".experts." in name]
+        with deepspeed.zero.GatheredParameters(experts, modifier_rank=0):
+            for param in experts:
+                torch.nn.init.normal_(param, std=0.02)
     else:
         model = model_class(hf)
     if args.lora:
