@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from rayexport.transport.gather import WINDOW, Staging
+from rayexport.plan.schedule import WINDOW
+from rayexport.transport.gather import Staging
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,8 +10,8 @@ from safetensors.torch import save as safetensors_save
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
 from rayexport.plan.schedule import (
-    PACK_ALIGNMENT, ShardFile, assign_ranks, assign_writers, packed_offsets, plan_buckets, plan_shard_files,
-    plan_transfer,
+    PACK_ALIGNMENT, Bucket, ShardFile, assign_ranks, assign_writers, packed_offsets, plan_buckets, plan_shard_files,
+    plan_transfer, received_bytes, sent_bytes, staging_bytes,
 )
 
 from support.plan_cases import EMBED, HEAD, TIED, chunk_sizes
@@ -243,3 +243,20 @@ def test_plan_transfer_never_has_more_writers_than_workers_or_files():
     transfer = plan_transfer([ShardFile("model.safetensors", ("t0",))], plans, {0: 0, 1: 1}, 2, 1 << 20, writers=4)
     assert {bucket.writer for bucket in transfer.buckets} == {0}
     assert transfer.files == ((ShardFile("model.safetensors", ("t0",)),), ())
+
+
+def test_each_staging_slot_holds_the_largest_bucket_a_worker_sends_or_receives_and_the_totals_add_up():
+    def piece(rank, nbytes):
+        return Piece(rank, f"k{rank}.{nbytes}", (0,), (nbytes,), "uint8")
+
+    buckets = (
+        # written by 0: 1 sends 20 bytes (32 once aligned), 2 sends 16 + 1 (16 + 16); 0's own stay
+        Bucket(("a",), ((piece(0, 8),), (piece(1, 20),), (piece(2, 16), piece(2, 1))), writer=0),
+        # written by 1: 0 sends 100 bytes (112), 2 sends nothing
+        Bucket(("b",), ((piece(0, 100),), (piece(1, 4),), ()), writer=1),
+    )
+    assert staging_bytes(buckets, 0) == 112  # its send to 1 outweighs the 64 it receives
+    assert staging_bytes(buckets, 1) == 112  # receives 112 in "b", sends 32 in "a"
+    assert staging_bytes(buckets, 2) == 32
+    assert [sent_bytes(buckets, rank) for rank in range(3)] == [112, 32, 32]
+    assert [received_bytes(buckets, rank) for rank in range(3)] == [64, 112, 0]

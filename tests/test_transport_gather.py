@@ -172,24 +172,6 @@ def test_the_gpu_is_the_first_assigned_one_among_the_visible_devices():
         cuda_device([5], "1,2")
 
 
-def test_each_staging_slot_holds_the_largest_bucket_a_worker_sends_or_receives():
-    from rayexport.plan.schedule import Bucket
-    from rayexport.transport.gather import staging_bytes
-
-    def piece(rank, nbytes):
-        return Piece(rank, f"k{rank}.{nbytes}", (0,), (nbytes,), "uint8")
-
-    buckets = (
-        # written by 0: 1 sends 20 bytes (32 once aligned), 2 sends 16 + 1 (16 + 16); 0's own stay
-        Bucket(("a",), ((piece(0, 8),), (piece(1, 20),), (piece(2, 16), piece(2, 1))), writer=0),
-        # written by 1: 0 sends 100 bytes (112), 2 sends nothing
-        Bucket(("b",), ((piece(0, 100),), (piece(1, 4),), ()), writer=1),
-    )
-    assert staging_bytes(buckets, 0) == 112  # its send to 1 outweighs the 64 it receives
-    assert staging_bytes(buckets, 1) == 112  # receives 112 in "b", sends 32 in "a"
-    assert staging_bytes(buckets, 2) == 32
-
-
 def test_a_writer_sends_its_share_of_the_next_bucket_while_its_own_arrives():
     """Two workers writing alternate buckets: each posts the receives of a bucket it writes and
     sends its share of the next one meanwhile, instead of after (when the pair took turns).

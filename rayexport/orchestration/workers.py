@@ -32,7 +32,7 @@ from rayexport.orchestration.worker_reports import WorkerStats, WorkerTransfer
 from rayexport.plan.lora import merge_lora
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import BASE_MODEL_RANK, Piece
-from rayexport.plan.schedule import TransferPlan
+from rayexport.plan.schedule import TransferPlan, received_bytes, sent_bytes
 from rayexport.plan.shards import ShardInfo, local_tensor
 from rayexport.storage.store import Store
 from rayexport.transport import gather
@@ -264,7 +264,7 @@ class ExportWorker:
         my_files = transfer.files[self.index]
         total = sum(plans[name].nbytes for shard in my_files for name in shard.tensors)
         self.progress_counts.expect("written", total)
-        self.progress_counts.expect("sent", gather.sent_bytes(transfer.buckets, self.index))
+        self.progress_counts.expect("sent", sent_bytes(transfer.buckets, self.index))
         mine = {piece for bucket in transfer.buckets for piece in bucket.sends[self.index]}
         wanted = {piece: dtype for piece, dtype in (scan or {}).items() if piece in mine}
         self.progress_counts.expect("scanned", sum(piece.nbytes for piece in wanted))
@@ -291,7 +291,7 @@ class ExportWorker:
         if total:
             log.info("worker %d wrote %d bytes in %.2f s (%.1f MB/s)", self.index, total, seconds, total / max(seconds, 1e-9) / 1e6)
         stats = self.stats()
-        stats.bytes_received = gather.received_bytes(transfer.buckets, self.index)
+        stats.bytes_received = received_bytes(transfer.buckets, self.index)
         stats.files_written = sorted(files)
         return WorkerTransfer(files, digests, stats, scanned)
 

@@ -23,6 +23,8 @@ T = TypeVar("T")
 
 # Packed buffers keep every piece at an offset that any dtype can be viewed at.
 PACK_ALIGNMENT = 16
+# Buckets in flight per worker: one being written (or sent) while the next is received (or packed).
+WINDOW = 2
 
 
 @dataclass(frozen=True)
@@ -255,3 +257,27 @@ def packed_offsets(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
         offsets.append(position)
         position += -(-piece.nbytes // PACK_ALIGNMENT) * PACK_ALIGNMENT
     return offsets, position
+
+
+def wire_bytes(bucket: Bucket, rank: int) -> int:
+    """Bytes `rank` moves over the network in one bucket: what every other worker sends it when
+    it writes the bucket, else what it sends (a writer's own pieces never travel)."""
+    if bucket.writer == rank:
+        return sum(packed_offsets(pieces)[1] for worker, pieces in enumerate(bucket.sends) if worker != rank)
+    return packed_offsets(bucket.sends[rank])[1]
+
+
+def staging_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
+    """The largest number of bytes `rank` sends or receives in one bucket: the size of each of
+    its staging buffers (the gather holds `WINDOW` of them)."""
+    return max((wire_bytes(bucket, rank) for bucket in buckets), default=0)
+
+
+def sent_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
+    """Bytes `rank` sends over the network in the gather (to other writers)."""
+    return sum(wire_bytes(bucket, rank) for bucket in buckets if bucket.writer != rank)
+
+
+def received_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
+    """Bytes `rank` receives over the network in the gather (its own pieces never travel)."""
+    return sum(wire_bytes(bucket, rank) for bucket in buckets if bucket.writer == rank)

@@ -24,12 +24,10 @@ from rayexport.common.errors import ExportError
 from rayexport.common.passes import Count, ignore
 from rayexport.plan.naming import TensorPlan
 from rayexport.plan.pieces import Piece
-from rayexport.plan.schedule import Bucket, packed_offsets
+from rayexport.plan.schedule import WINDOW, Bucket, packed_offsets, staging_bytes, wire_bytes
 from rayexport.transport.assembly import output_chunks, pack, unpack
 
 T = TypeVar("T")
-# Buckets in flight per worker: one being written (or sent) while the next is received (or packed).
-WINDOW = 2
 
 
 def open_rendezvous(host: str, timeout_s: float) -> dist.TCPStore:
@@ -73,20 +71,6 @@ def cuda_device(assigned_gpus: list, visible_devices: str | None) -> torch.devic
     if first not in visible:
         raise ExportError(f"GPU {first} assigned by Ray is not among CUDA_VISIBLE_DEVICES={visible_devices}")
     return torch.device("cuda", visible.index(first))
-
-
-def _wire_bytes(bucket: Bucket, rank: int) -> int:
-    """Bytes `rank` moves over the network in one bucket: what every other worker sends it when
-    it writes the bucket, else what it sends (a writer's own pieces never travel)."""
-    if bucket.writer == rank:
-        return sum(packed_offsets(pieces)[1] for worker, pieces in enumerate(bucket.sends) if worker != rank)
-    return packed_offsets(bucket.sends[rank])[1]
-
-
-def staging_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
-    """The largest number of bytes `rank` sends or receives in one bucket: the size of each of
-    its staging buffers."""
-    return max((_wire_bytes(bucket, rank) for bucket in buckets), default=0)
 
 
 class _Slot:
@@ -250,7 +234,7 @@ def run_transfer(
         pieces = bucket.sends[rank]
         staging.send(slot, pieces, local_pieces(pieces), bucket.writer)
         after_read()
-        sent(_wire_bytes(bucket, rank))
+        sent(wire_bytes(bucket, rank))
         return True
 
     try:
@@ -341,20 +325,10 @@ def worker_steps(
     for position, bucket in enumerate(buckets):
         if bucket.writer == rank:
             following = buckets[position + 1] if position + 1 < len(buckets) else None
-            if window > 1 and following is not None and following.writer != rank and _wire_bytes(following, rank):
+            if window > 1 and following is not None and following.writer != rank and wire_bytes(following, rank):
                 sent_ahead = position + 1
                 yield bucket, following
             else:
                 yield bucket, None
-        elif position != sent_ahead and _wire_bytes(bucket, rank):
+        elif position != sent_ahead and wire_bytes(bucket, rank):
             yield bucket, None
-
-
-def sent_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
-    """Bytes `rank` sends over the network in the gather (to other writers)."""
-    return sum(_wire_bytes(bucket, rank) for bucket in buckets if bucket.writer != rank)
-
-
-def received_bytes(buckets: tuple[Bucket, ...], rank: int) -> int:
-    """Bytes `rank` receives over the network in the gather (its own pieces never travel)."""
-    return sum(_wire_bytes(bucket, rank) for bucket in buckets if bucket.writer == rank)
