@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--demo", action="store_true", help="export a tiny embedded FSDP2 checkpoint")
     parser.add_argument("--cleanup", metavar="DST", help="abort unfinished multipart uploads under DST, then exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="plan the export from metadata alone: each worker's bytes, files and memory, and the "
+                        "estimated seconds at --rates; writes nothing, starts no Ray (joins RAY_ADDRESS's to place workers)")
     parser.add_argument("--report", metavar="PATH|-", help="write the report as JSON to PATH or stdout")
     parser.add_argument("--debug", action="store_true", help="full tracebacks on errors")
     add_option_arguments(parser)
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
         parser.error("--src and --dst are required (or --demo, or --cleanup DST)")
     if args.demo:
         options["workers"] = options["workers"] or 2
+    if args.dry_run:
+        return dry_run_command(args, source, destination, options)
     seconds: dict[str, float] = {}
     try:
         # bad options are one line before Ray starts; the demo's source is written later
@@ -78,12 +83,34 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
     except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
         return print_error(error, args.debug)
     print(report.summary())
-    if args.report == "-":
-        print(report.to_json())
-    elif args.report:
-        with open(args.report, "w") as handle:
-            handle.write(report.to_json())
+    write_report(args.report, report.to_json())
     return 0
+
+
+def dry_run_command(args: argparse.Namespace, source: str, destination: str, options: dict) -> int:
+    """`--dry-run`: print the plan and its cost (and with --report, write it as JSON)."""
+    try:
+        if args.demo:
+            raise ExportError("--dry-run plans an export of --src to --dst; the demo writes its checkpoint as it runs")
+        export_options = ExportOptions(src=source, dst=destination, **options)
+        refuse_missing_local_source(source)
+        from rayexport.orchestration.dry_run import dry_run
+
+        result = dry_run(export_options)
+    except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
+        return print_error(error, args.debug)
+    print(result.summary())
+    write_report(args.report, result.to_json())
+    return 0
+
+
+def write_report(path: str | None, text: str) -> None:
+    """--report: the JSON to stdout ("-") or a file."""
+    if path == "-":
+        print(text)
+    elif path:
+        with open(path, "w") as handle:
+            handle.write(text)
 
 
 def export_started_first(options: ExportOptions, seconds: dict[str, float], imported: Callable[[], None]) -> ExportReport:

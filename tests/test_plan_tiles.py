@@ -157,3 +157,20 @@ def test_a_box_index_finds_exactly_the_boxes_a_tile_meets():
     for tile in tiles:
         expected = [position for position, (offset, shape) in enumerate(boxes) if select(tile, offset, shape) is not None]
         assert index.meeting(tile) == expected
+
+
+def test_a_box_index_over_boxes_of_uneven_extents_finds_what_select_finds():
+    """Chunks of uneven lengths along the axis the index sorts by (a long one reaching past
+    several short ones): every tile, wherever it starts, meets exactly the boxes `select` does."""
+    extents = [1, 4, 1, 1, 3, 2, 1, 5, 1]
+    boxes, start = [], 0
+    for extent in extents:
+        boxes += [((start, half * 2), (extent, 2)) for half in range(3)]
+        start += extent
+    index = BoxIndex(boxes)
+    for first in range(start):
+        for length in range(1, start - first + 1):
+            for column in range(6):
+                tile = Tile("w", (0, 0), (length, 1), (first, column), (0, 1))
+                expected = [position for position, (offset, shape) in enumerate(boxes) if select(tile, offset, shape) is not None]
+                assert index.meeting(tile) == expected, (first, length, column)

@@ -3,6 +3,7 @@ Planning uses the names and sizes without importing torch (the command line star
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,7 @@ def is_floating(name: str) -> bool:
     return code.startswith(("F", "BF"))
 
 
+@functools.cache
 def itemsize(name: str) -> int:
     """Bytes per element of the dtype `name`: the bits in its safetensors code (BOOL: one byte),
     or torch's own answer for a dtype safetensors has no code for."""

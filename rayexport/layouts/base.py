@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
+from rayexport.common.errors import ExportError
 from rayexport.layouts.mapped import mapped_ranges
 from rayexport.plan.pieces import Piece, holders_by_key, piece_tensor
 from rayexport.plan.shards import ShardInfo, local_tensor
@@ -158,6 +159,18 @@ class Checkpoint:
         each count of bytes spooled); the tensors per (pseudo-)rank."""
         raise NotImplementedError
 
+    def describe_part(self, part: Part) -> dict[int, dict[str, ShardInfo]]:
+        """What a worker reading `part` reports of each (pseudo-)rank's tensors, without their
+        values (`--dry-run`). By default `part` is opened as a worker opens it, memory-mapped, so
+        that only the records placing each tensor are read: that needs the files where this
+        process sees them. A layout whose metadata places every tensor overrides it."""
+        if not self.store.is_local:
+            raise ExportError(
+                f"--dry-run reads only metadata, and a {self.layout} checkpoint records its tensors' shapes inside "
+                f"its files, which '{self.uri}' would have to fetch whole: run it on a local or mounted copy"
+            )
+        return {rank: tensors.describe() for rank, tensors in self.read(part, "", lambda count: None).items()}
+
 
 class Layout(Protocol):
     """One way trainers lay checkpoints out on storage."""
@@ -179,6 +192,12 @@ def load_ranks(load: LoadStep, worker_of_rank: dict[int, int]) -> Loaded:
     """One `load` step in which each worker reads its ranks (as `Part`s, lists of rank numbers)."""
     rank_infos = load(rank_parts(worker_of_rank))
     return Loaded(rank_infos, holders_by_key(rank_infos), worker_of_rank)
+
+
+def count_part_bytes(totals: dict[int, int], checkpoint: Checkpoint, parts: dict[int, Part]) -> None:
+    """Add to `totals` the bytes each worker is given to read in one load step (its `parts`)."""
+    for worker, part in parts.items():
+        totals[worker] = totals.get(worker, 0) + checkpoint.part_bytes(part)
 
 
 def rank_parts(worker_of_rank: dict[int, int]) -> dict[int, list[int]]:

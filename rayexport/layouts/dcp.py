@@ -23,6 +23,7 @@ from rayexport.layouts.dcp_metadata import (
 )
 from rayexport.plan.naming import model_names
 from rayexport.plan.pieces import holders_by_key
+from rayexport.plan.shards import ShardInfo
 from rayexport.storage.store import Store
 
 # torch.distributed.checkpoint is imported where a checkpoint is read, as in `dcp_metadata`.
@@ -79,6 +80,13 @@ class DcpCheckpoint(Checkpoint):
     def part_bytes(self, part: ChunksPart) -> int:
         """The bytes a worker reads for `part`."""
         return sum(chunk.nbytes for chunks in part.slots.values() for chunk in chunks)
+
+    def describe_part(self, part: ChunksPart) -> dict[int, dict[str, ShardInfo]]:
+        """Each pseudo-rank's chunks, placed from `.metadata` alone."""
+        from rayexport.layouts.dcp_chunks import describe_chunks
+
+        shapes = {key: tensor.shape for key, tensor in self.tensors.items()}
+        return {rank: describe_chunks({chunk.key: chunk for chunk in chunks}, shapes) for rank, chunks in part.slots.items()}
 
     def read(self, part: ChunksPart, spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
         """The chunks of `part`, each pseudo-rank's mapped in place, or from object storage

@@ -144,7 +144,7 @@ class ChunkTensors(MappedTensors):
         return self.maps.ranges()
 
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
-        return _describe(self.chunks, self.shapes, advance)
+        return describe_chunks(self.chunks, self.shapes, advance)
 
 
 # Records parsed, and pieces fetched, at once from object storage by one worker.
@@ -169,7 +169,9 @@ def _record_start(store: Store, chunk: DcpChunk, unsafe_pickle: bool) -> int:
     return record.byte_range(found)[0]
 
 
-def _describe(chunks: dict[str, DcpChunk], shapes: dict[str, tuple[int, ...]], advance: Advance) -> dict[str, ShardInfo]:
+def describe_chunks(
+    chunks: dict[str, DcpChunk], shapes: dict[str, tuple[int, ...]], advance: Advance = lambda count: None,
+) -> dict[str, ShardInfo]:
     """Each chunk, placed in its tensor."""
     infos = {}
     for key, chunk in chunks.items():
@@ -220,7 +222,7 @@ class RemoteChunks(SourceTensors):
         return len(self.chunks)
 
     def describe(self, advance: Advance = lambda count: None) -> dict[str, ShardInfo]:
-        return _describe(self.chunks, self.shapes, advance)
+        return describe_chunks(self.chunks, self.shapes, advance)
 
     def values(self, piece: Piece) -> torch.Tensor:
         """What `piece` takes from its chunk, fetched as the one byte range that holds it."""

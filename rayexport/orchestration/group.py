@@ -15,13 +15,13 @@ from huggingface_hub import StateDictSplit
 
 from rayexport.common.errors import ExportError
 from rayexport.common.levels import resolved, runs_checks
-from rayexport.layouts.base import Checkpoint, Loaded, Part
+from rayexport.layouts.base import Checkpoint, Loaded, Part, count_part_bytes
 from rayexport.orchestration import spool
 from rayexport.orchestration.failure import lost_worker_line, remove_spool_on
 from rayexport.orchestration.nodes import ClusterNodes, first_reader_node
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.placement import (
-    Devices, NodePlacement, bundle_text, choose_devices, missing_resources, pin_writers, place_by_files,
+    Devices, NodePlacement, bundle_text, choose_devices, group_size, missing_resources, pin_writers, place_by_files,
 )
 from rayexport.orchestration.pool import IdleGroup, get_keeper, group_shape
 from rayexport.orchestration.progress import WorkerProgress
@@ -73,11 +73,7 @@ class WorkerGroup:
         `choose_devices` picks from what is free now; not started yet."""
         import ray
 
-        if options.workers is not None:
-            size = min(options.workers, world_size)
-        else:
-            cpus = int(ray.cluster_resources().get("CPU", 1) // max(options.num_cpus_per_worker, 1e-9))
-            size = max(1, min(world_size, cpus))
+        size = group_size(options.workers, options.num_cpus_per_worker, world_size, ray.cluster_resources().get("CPU", 1))
         devices = choose_devices(
             options.backend, options.num_gpus_per_worker, size,
             free_gpus=ray.available_resources().get("GPU", 0.0), total_gpus=ray.cluster_resources().get("GPU", 0.0),
@@ -106,6 +102,7 @@ class WorkerGroup:
         self.nodes = NodePlacement((None,) * size)
         self.export_node: str | None = None  # the node whose disk a local destination is on, where there are several
         self.worker_node_ids: list[str | None] = []  # the Ray node each worker was placed on, once placed
+        self.read_bytes: dict[int, int] = {}  # what each worker was given to read, by its parts (`Checkpoint.part_bytes`)
         # Names this export's spool folders on every node (rayexport.orchestration.spool).
         self.export_id = spool.new_export_id(job_deadline - time.monotonic())
 
@@ -246,6 +243,7 @@ class WorkerGroup:
             infos: dict = {}
             for part in self._get([self.actors[worker].load.remote(checkpoint, part) for worker, part in parts.items()]):
                 infos.update(part)
+            count_part_bytes(self.read_bytes, checkpoint, parts)
             return infos
 
         return checkpoint.share(self.size, aliases, step, self.nodes.file_readers)

@@ -11,20 +11,20 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from rayexport.common.digests import FAST
-from rayexport.common.dtypes import nbytes
 from rayexport.common.passes import summed as summed_passes
 from rayexport.common.errors import ExportError
 from rayexport.common.levels import resolved, runs_checks
 from rayexport.common.memory import peak_rss_bytes
-from rayexport.layouts.base import Loaded
+from rayexport.layouts.base import Checkpoint, Loaded
 from rayexport.layouts.hf import base_model_folder
 from rayexport.model.description import ModelDescription, generated_files
 from rayexport.orchestration.export_plan import ExportPlan
 from rayexport.orchestration.group import Transferred, WorkerGroup
 from rayexport.orchestration.options import ExportOptions
+from rayexport.orchestration.placement import NodePlacement
 from rayexport.orchestration.progress import shown_progress
 from rayexport.orchestration.references import (
     SourceScan, check_finite, scan_ahead, scanned_ahead, scanned_in_transfer, transfer_scan,
@@ -32,6 +32,7 @@ from rayexport.orchestration.references import (
 from rayexport.orchestration.report import ExportReport
 from rayexport.orchestration.start import Started, begin_export
 from rayexport.orchestration.worker_reports import WorkerStats
+from rayexport.plan.cost import ExportCost, Rates, export_cost
 from rayexport.plan.formats import ModelFormats
 from rayexport.plan.lora import ADAPTER_WEIGHTS
 from rayexport.plan.naming import LoraRequest, TensorPlan, TensorPlanning, choose_dtype, plan_holdings
@@ -39,12 +40,30 @@ from rayexport.plan.schedule import ShardFile, TransferPlan, plan_shard_files, p
 from rayexport.plan.ties import check_tied_values
 from rayexport.storage.store import Store
 from rayexport.transport.manifest import MANIFEST_NAME, build_manifest, commit
+from rayexport.transport.writer import shard_file_size
 from rayexport.verification.consumers import consumer_warnings
 from rayexport.verification.expected import ExpectedExport
 from rayexport.verification.outcome import verification_outcome
 from rayexport.verification.structure import conclude
 
 log = logging.getLogger(__name__)
+
+
+class ReadingGroup(Protocol):
+    """The workers as planning sees them: how many, how many may write, how they share and read
+    (describe) the checkpoint, and what each was given to read. A `WorkerGroup` reads the
+    checkpoint; `--dry-run`'s `rayexport.orchestration.dry_run.PlannedGroup` its metadata only."""
+
+    size: int
+    nodes: NodePlacement  # the node each worker is pinned to, where it is
+    read_bytes: dict[int, int]
+
+    @property
+    def writers_limit(self) -> int | None: ...
+
+    def load(self, checkpoint: Checkpoint, aliases: dict[str, str]) -> Loaded: ...
+
+    def tied_differences(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]: ...
 
 
 @dataclass
@@ -92,9 +111,12 @@ def run_export(
         with shown_progress(group.progress_counts) as plan.progress:
             with plan.stage("describe_model"):  # what is left of it once the workers are up
                 model = describing.result()
-            source = _load(plan, group, model)
+            with plan.stage("load") as moved:
+                source = load_source(plan, group, model)
+                moved["bytes"] = sum(group.read_bytes.values())
             with plan.stage("plan_files"):  # names, ties (compared on the workers), files, the gather
-                output = _plan_output(plan, group, model, source)
+                output = plan_output(plan, group, model, source)
+                cost = output_cost(plan, group, output)
             with _not_committed_on_failure():
                 expected, written, checks, consumers = _write_and_check(plan, group, model, source, output)
                 with plan.stage("reload"):  # what is left of it once the file checks are done
@@ -116,26 +138,22 @@ def run_export(
     )
     with plan.stage("commit"), _not_committed_on_failure():
         commit(plan.destination, manifest)
-    return _report(plan, group, output, written, verification, reload_memory, reload_process)
+    return _report(plan, group, output, written, verification, reload_memory, reload_process, cost)
 
 
-def _load(plan: ExportPlan, group: WorkerGroup, model: ModelDescription) -> Source:
+def load_source(plan: ExportPlan, group: ReadingGroup, model: ModelDescription) -> Source:
     """The workers read their share of the checkpoint (tied copies together) and, for a
     LoRA-only checkpoint, the exporter the base model's weights."""
-    with plan.stage("load") as moved:
-        loaded = group.load(plan.checkpoint, model.formats.tie_aliases())
-        moved["bytes"] = sum(
-            nbytes(info.local_shape, info.dtype) for infos in loaded.rank_infos.values() for info in infos.values()
-        )
-        base_infos = None
-        if plan.base_model is not None:
-            base = group.load(base_model_folder(plan.base_model), {})
-            (base_infos,) = base.rank_infos.values()
-            loaded.worker_of_rank.update(base.worker_of_rank)
+    loaded = group.load(plan.checkpoint, model.formats.tie_aliases())
+    base_infos = None
+    if plan.base_model is not None:
+        base = group.load(base_model_folder(plan.base_model), {})
+        (base_infos,) = base.rank_infos.values()
+        loaded.worker_of_rank.update(base.worker_of_rank)
     return Source(loaded, base_infos)
 
 
-def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, source: Source) -> OutputPlan:
+def plan_output(plan: ExportPlan, group: ReadingGroup, model: ModelDescription, source: Source) -> OutputPlan:
     """Match the checkpoint to the model (names, ties, LoRA, dtype) and plan the files and the
     gather that writes them."""
     options = plan.options
@@ -174,6 +192,20 @@ def _plan_output(plan: ExportPlan, group: WorkerGroup, model: ModelDescription, 
         shard_files + adapter_files, by_name, source.loaded.worker_of_rank, group.size, options.bucket_size, writers
     )
     return OutputPlan(planning, converted, untied, dtype, dtype_reason, by_name, split, transfer)
+
+
+def output_cost(plan: ExportPlan, group: ReadingGroup, output: OutputPlan) -> ExportCost:
+    """What the planned export costs (`rayexport.plan.cost`): each worker's bytes and files,
+    on its node where the workers are pinned to nodes, and the seconds at `--rates`."""
+    shards = [shard for files in output.transfer.files for shard in files]
+    file_bytes = {shard.filename: shard_file_size([output.by_name[name] for name in shard.tensors]) for shard in shards}
+    labels = plan.cluster.labels if plan.cluster is not None else {}
+    nodes = tuple(labels.get(node, "") if node else "" for node in group.nodes.worker_nodes)
+    return export_cost(
+        output.transfer, file_bytes, group.read_bytes, nodes, len(output.by_name),
+        sum(tensor.nbytes for tensor in output.by_name.values()), plan.options.memory_bound_bytes,
+        Rates.parse(plan.options.rates), runs_checks(resolved(plan.options.verify)),
+    )
 
 
 def _write_and_check(
@@ -222,7 +254,7 @@ def _write_and_check(
 
 def _report(
     plan: ExportPlan, group: WorkerGroup, output: OutputPlan, written: Transferred, verification: dict[str, Any],
-    reload_memory: tuple[int | None, int | None], reload_process: dict[str, float],
+    reload_memory: tuple[int | None, int | None], reload_process: dict[str, float], cost: ExportCost,
 ) -> ExportReport:
     """The run's report: what was exported, how, and what it cost (stage seconds, bytes, memory)."""
     reload_peak, reload_start = reload_memory
@@ -254,11 +286,11 @@ def _report(
         files_by_worker={worker: stats.files_written for worker, stats in by_worker.items()},
         placement={worker: {"node": stats.node, "pid": stats.pid, "device": stats.device} for worker, stats in by_worker.items()},
         warm_start=group.reused, reload_process=reload_process, files=written.files, verification=verification, skipped=list(plan.checkpoint.skipped),
-        export_node=plan.cluster.labels[plan.export_node] if plan.export_node else None,
+        export_node=plan.cluster.labels[plan.export_node] if plan.export_node else None, estimate=cost.to_dict(),
     )
 
 
-def _plan_ties(plan, group: WorkerGroup, untie: bool) -> tuple[TensorPlanning, frozenset[str]]:
+def _plan_ties(plan, group: ReadingGroup, untie: bool) -> tuple[TensorPlanning, frozenset[str]]:
     """Plan, then compare every tied pair the checkpoint holds twice: different values stop the
     export, or with `untie` are kept as separate tensors (re-planned with those aliases untied).
     Returns the planning and the aliases untied (in the checkpoint's naming)."""

@@ -15,6 +15,7 @@ from rayexport.common.errors import ExportError
 from rayexport.common.levels import AUTO, LEVELS
 from rayexport.layouts import LAYOUT_NAMES
 from rayexport.orchestration.placement import is_whole
+from rayexport.plan.cost import Rates
 from rayexport.plan.formats import FORMATS, ON_DISK
 from rayexport.verification.serving import ENGINES, ServeRequest, serve_request
 
@@ -129,6 +130,11 @@ class ExportOptions:
                               group=CLUSTER, flag="--timeout", metavar="S")
     deadline_s: float = option(86400.0, "seconds the whole export may take, start to commit",
                                group=CLUSTER, flag="--deadline", metavar="S")
+    rates: str = option(
+        "", "the rates the estimate assumes, per worker, e.g. read=200,gather=1000,write=150,verify=400,reload=500 "
+        "(MB/s) and fixed=10 (seconds); unnamed ones keep this project's measured defaults (docs/usage.md, --dry-run)",
+        group=CLUSTER, metavar="NAME=N,...",
+    )
     pool: str | None = option(help="keep the worker actors alive in the warm pool NAME for the next export",
                               group=CLUSTER, metavar="NAME")
     log_level: str = option("INFO", "logging level of the driver and the workers", group=CLUSTER,
@@ -184,6 +190,7 @@ class ExportOptions:
             raise ExportError(f"--writers must be at least 1, not {self.writers}")
         if self.bucket_size < 1:
             raise ExportError("--bucket-size must be positive")
+        Rates.parse(self.rates)  # a bad rate is one line before anything starts
         self.serve  # refuses a serve check's Python without the check
         if self.serve_check_gpus < 0:
             raise ExportError(f"--serve-check-gpus must not be negative, not {self.serve_check_gpus:g}")

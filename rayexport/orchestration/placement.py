@@ -160,3 +160,11 @@ def worker_capacity(resources: dict[str, float], bundle: dict[str, float]) -> in
     """How many workers of `bundle` a node with `resources` (its totals) can hold."""
     fits = [int(resources.get(name, 0.0) // amount) for name, amount in bundle.items() if amount]
     return min(fits) if fits else 0
+
+
+def group_size(workers: int | None, cpus_per_worker: float, world_size: int, cpus: float) -> int:
+    """How many workers an export starts: `--workers` (at most one per rank), else as many as
+    the cluster's `cpus` hold, at most one per rank."""
+    if workers is not None:
+        return min(workers, world_size)
+    return max(1, min(world_size, int(cpus // max(cpus_per_worker, 1e-9))))

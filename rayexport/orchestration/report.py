@@ -55,6 +55,8 @@ class ExportReport:
     verification: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)  # checkpoint entries that are not model tensors
     already_committed: bool = False
+    # what the plan said the export would cost (`rayexport.plan.cost.ExportCost`, as --dry-run prints it)
+    estimate: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -76,6 +78,7 @@ class ExportReport:
             "  seconds: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.seconds.items())
             + f" (total {total:.1f})",
             *passes_lines(self.passes, written),
+            *estimate_lines(self.estimate, self.seconds),
             "  peak memory per actor: "
             + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in self.peak_rss_bytes.items()),
             f"  verified ({self.verification.get('level')}): " + ", ".join(self.verification.get("checks", {}))
@@ -96,6 +99,16 @@ def passes_lines(passes: dict[str, dict[str, int]], model_bytes: int) -> list[st
         for phase, kinds in per_byte(passes, model_bytes).items()
     ]
     return ["  passes per byte: " + "; ".join(phases)]
+
+
+def estimate_lines(estimate: dict[str, Any], seconds: dict[str, float]) -> list[str]:
+    """`estimated seconds (measured): transfer 2.3 (2.9), ...`: the plan's estimate of the
+    phases it models beside what they took."""
+    planned = estimate.get("seconds", {})
+    shown = [name for name in ("transfer", "verify_files", "reload") if name in planned and name in seconds]
+    if not shown:
+        return []
+    return ["  estimated seconds (measured): " + ", ".join(f"{name} {planned[name]:.1f} ({seconds[name]:.1f})" for name in shown)]
 
 
 def serve_lines(checks: dict[str, Any]) -> list[str]:

@@ -53,16 +53,25 @@ def begin_export(options: ExportOptions, group_type: type[WorkerGroup] | None = 
 
 def prepare(plan: ExportPlan) -> ModelDescription:
     """Ready the destination (uncommit an export being replaced, abort uploads a killed run
-    left, probe that it takes writes) and describe the model the checkpoint holds (its
-    module, with transformers' model code, imported here: in the planning thread)."""
-    from rayexport.model.description import describe_model, hf_folder
-
-    destination, options = plan.destination, plan.options
+    left, probe that it takes writes) and describe the model the checkpoint holds."""
+    destination = plan.destination
     if plan.existing is not None:
         destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
     for key in destination.abort_uploads():
         log.warning("aborted an unfinished upload left by an earlier run: %s", key)
-    hf_config = Store(options.hf_config, destination.options) if options.hf_config else None
+    destination.write_bytes(".rayexport-write-probe", b"")
+    destination.delete(".rayexport-write-probe")
+    return describe_source_model(plan)
+
+
+def describe_source_model(plan: ExportPlan) -> ModelDescription:
+    """The model the checkpoint holds (its module, with transformers' model code, imported here:
+    in the planning thread), its names checked against the checkpoint's where the layout lists
+    them before reading. Reads, never writes."""
+    from rayexport.model.description import describe_model, hf_folder
+
+    options = plan.options
+    hf_config = Store(options.hf_config, plan.destination.options) if options.hf_config else None
     folder = hf_folder(plan.checkpoint.hf_folder, hf_config, plan.checkpoint.nearby_hf_folder, plan.base_model)
     trainers = plan.checkpoint.trainer_files if folder is plan.checkpoint.hf_folder else frozenset()
     described = PoolDescriptions(options.pool) if options.pool else None
@@ -74,8 +83,6 @@ def prepare(plan: ExportPlan) -> ModelDescription:
     keys = checkpoint.known_keys()
     if keys is not None and plan.base_model is None:
         match_names(keys, model.formats)  # what the checkpoint's names lack, before any worker starts
-    destination.write_bytes(".rayexport-write-probe", b"")
-    destination.delete(".rayexport-write-probe")
     return model
 
 

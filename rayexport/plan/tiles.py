@@ -175,6 +175,13 @@ class BoxIndex:
         rank = len(boxes[0][0]) if boxes else 0
         self.low = np.array([offset for offset, _ in boxes], dtype=np.int64).reshape(len(boxes), rank)
         self.high = self.low + np.array([shape for _, shape in boxes], dtype=np.int64).reshape(len(boxes), rank)
+        # The boxes sorted along the axis they are most cut on (a stacked tensor's layers or
+        # experts): a tile's candidates are then one slice of them, found by bisection.
+        self.axis = max(range(rank), key=lambda axis: len(np.unique(self.low[:, axis])), default=None)
+        if self.axis is not None:
+            self.order = np.argsort(self.low[:, self.axis], kind="stable")
+            self.sorted_low = self.low[self.order, self.axis]
+            self.reach = int((self.high - self.low)[:, self.axis].max(initial=0))  # the longest extent along it
 
     def meeting(self, tile: Tile) -> list[int]:
         """The positions of the boxes that the tile's source box meets, in order."""
@@ -183,7 +190,14 @@ class BoxIndex:
         low = np.array(tile.source_offset, dtype=np.int64)
         high = low + np.array([(extent - 1) * tile.step(axis) + 1 for axis, extent in enumerate(tile.source_shape)],
                               dtype=np.int64)
-        return np.flatnonzero(np.all((self.low < high) & (self.high > low), axis=1)).tolist()
+        if self.axis is None:
+            return list(range(len(self.low)))
+        # a box meets the tile only if it starts within its longest extent before the tile's start, and before its end
+        first = np.searchsorted(self.sorted_low, low[self.axis] - self.reach, side="right")
+        last = np.searchsorted(self.sorted_low, high[self.axis], side="left")
+        candidates = self.order[first:last]
+        hits = np.all((self.low[candidates] < high) & (self.high[candidates] > low), axis=1)
+        return np.sort(candidates[hits]).tolist()
 
 
 @dataclass(frozen=True)

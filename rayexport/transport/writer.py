@@ -66,6 +66,11 @@ def safetensors_header(tensors: list[TensorPlan]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+def shard_file_size(tensors: list[TensorPlan]) -> int:
+    """The size of the safetensors file that holds `tensors` in order: its header, then their bytes."""
+    return len(safetensors_header(tensors)) + sum(plan.nbytes for plan in tensors)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor, without a copy when it is contiguous."""
     import torch

@@ -156,18 +156,33 @@ def write_sparse_checkpoint(actor: str, config: dict = QWEN3_235B_A22B, stages: 
     """The checkpoint under `actor` (verl's layout: `dist_ckpt/`, `huggingface/config.json`); the
     bytes of its tensors (what the files would hold, were they not holes)."""
     folder = os.path.join(actor, "dist_ckpt")
-    os.makedirs(folder)
-    dtype = torch.bfloat16
     shapes = megatron_tensors(config)
+    total = write_sparse_dcp(folder, shapes, chunk_placement(config, stages, expert_ranks))
+    with open(os.path.join(folder, "metadata.json"), "w") as handle:
+        json.dump(TORCH_DIST, handle)  # Megatron-Core writes it last
+    os.makedirs(os.path.join(actor, "huggingface"))
+    with open(os.path.join(actor, "huggingface", "config.json"), "w") as handle:
+        json.dump(config, handle, indent=1)
+    return total
+
+
+def write_sparse_dcp(
+    folder: str, shapes: dict[str, tuple[int, ...]], placed: list[tuple[str, tuple[int, ...], tuple[int, ...], int]],
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """A DCP checkpoint in `folder` of tensors of `shapes` saved as the chunks `placed` ((tensor,
+    offset, sizes, writing rank), in each rank's order), their bytes holes, and its `.metadata`
+    made with torch's own classes; returns the tensors' bytes."""
+    os.makedirs(folder)
     chunks: dict[str, list[ChunkStorageMetadata]] = {name: [] for name in shapes}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     by_rank: dict[int, list] = {}
-    for name, offset, sizes, rank in chunk_placement(config, stages, expert_ranks):
+    for name, offset, sizes, rank in placed:
         by_rank.setdefault(rank, []).append((name, offset, sizes))
-    for rank, placed in sorted(by_rank.items()):
+    for rank, chunks_of_rank in sorted(by_rank.items()):
         file = f"__{rank}_0.distcp"
         with open(os.path.join(folder, file), "wb") as handle:
-            for name, offset, sizes in placed:
+            for name, offset, sizes in chunks_of_rank:
                 start = handle.tell()
                 write_record(handle, dtype, sizes)
                 chunks[name].append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(sizes)))
@@ -178,9 +193,61 @@ def write_sparse_checkpoint(actor: str, config: dict = QWEN3_235B_A22B, stages: 
     }
     with open(os.path.join(folder, ".metadata"), "wb") as handle:
         pickle.dump(Metadata(state_dict_metadata=entries, storage_data=storage), handle)
-    with open(os.path.join(folder, "metadata.json"), "w") as handle:
-        json.dump(TORCH_DIST, handle)  # Megatron-Core writes it last
-    os.makedirs(os.path.join(actor, "huggingface"))
-    with open(os.path.join(actor, "huggingface", "config.json"), "w") as handle:
-        json.dump(config, handle, indent=1)
     return sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
+
+
+# Llama 3.3 70B Instruct's config.json, as published (meta-llama/Llama-3.3-70B-Instruct).
+LLAMA3_70B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+}
+
+
+def llama_tensors(config: dict) -> dict[str, tuple[int, ...]]:
+    """A Llama model's state dict as transformers names it, with each tensor's shape."""
+    hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, groups, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        shapes.update({
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            prefix + "self_attn.k_proj.weight": (groups * head_dim, hidden),
+            prefix + "self_attn.v_proj.weight": (groups * head_dim, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+            prefix + "mlp.gate_proj.weight": (ffn, hidden),
+            prefix + "mlp.up_proj.weight": (ffn, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, ffn),
+        })
+    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
+    return shapes
+
+
+def fsdp_placement(shapes: dict[str, tuple[int, ...]], world_size: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
+    """FSDP2's chunks: every tensor cut on its first dimension by torch.chunk's rule over the
+    ranks (the last ones hold less, or nothing), each rank writing its own rows of every tensor."""
+    placed = []
+    for rank in range(world_size):
+        for name, shape in shapes.items():
+            rows = -(-shape[0] // world_size)
+            start, stop = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
+            if stop > start:
+                placed.append((name, (start,) + (0,) * (len(shape) - 1), (stop - start, *shape[1:]), rank))
+    return placed
+
+
+def write_sparse_fsdp_dcp(folder: str, config: dict = LLAMA3_70B, world_size: int = 64) -> int:
+    """A DCP save of `config`'s model by `world_size` FSDP2 ranks, flat at the top level of the
+    state dict, its bytes holes, its config in `huggingface/`; returns the tensors' bytes."""
+    total = write_sparse_dcp(folder, llama_tensors(config), fsdp_placement(llama_tensors(config), world_size))
+    os.makedirs(os.path.join(folder, "huggingface"))
+    with open(os.path.join(folder, "huggingface", "config.json"), "w") as handle:
+        json.dump(config, handle, indent=1)
+    return total
