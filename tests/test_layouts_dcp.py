@@ -165,6 +165,11 @@ def test_the_workers_shares_rebuild_every_tensor_exactly_read_in_place(written, 
     rebuilt = rebuild(held, reference)
     for key, tensor in reference.items():
         assert rebuilt[key].dtype == tensor.dtype and torch.equal(rebuilt[key], tensor), key
+    # --dry-run's share, each part described from .metadata alone: the same as the one read
+    planned = checkpoint.share(workers, {}, lambda parts: {
+        rank: infos for part in parts.values() for rank, infos in checkpoint.describe_part(part).items()
+    })
+    assert planned.rank_infos == loaded.rank_infos and planned.worker_of_rank == loaded.worker_of_rank
     rank_files = {os.path.realpath(os.path.join(written[name].path, file)) for file in checkpoint.read_files()}
     for tensors in held.values():  # mapped where they lie, each file once for all of a worker's pseudo-ranks
         assert set(tensors.maps.maps) <= rank_files and len(tensors.mapped_ranges()) == len(tensors.maps.maps)

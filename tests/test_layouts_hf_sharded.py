@@ -74,6 +74,7 @@ def test_each_rank_read_alone_assembles_the_original_from_its_mapped_files(writt
 
     loaded = checkpoint.share(2, {}, load)
     assert loaded.worker_of_rank == {0: 0, 1: 1}
+    assert checkpoint.describe_part([0, 1]) == loaded.rank_infos  # --dry-run's, from the headers alone
     for rank, files in enumerate(RANK_FILES):
         mapped = states[rank].mapped_ranges()
         assert mapped == [span for name in files for span in mapped_ranges(os.path.join(written.path, name))]

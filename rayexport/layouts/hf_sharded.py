@@ -59,6 +59,15 @@ class ShardedSafetensorsCheckpoint(Checkpoint):
         """The bytes of the files of the ranks `part`."""
         return sum(self.store.size(name) for rank in part for name in self.rank_files[rank])
 
+    def describe_part(self, part: list[int]) -> dict[int, dict[str, ShardInfo]]:
+        """Each rank's pieces, placed from the headers read when the checkpoint was described."""
+        return {rank: {key: self.shard_info(name, key) for name in self.rank_files[rank] for key in self.pieces[name]} for rank in part}
+
+    def shard_info(self, name: str, key: str) -> ShardInfo:
+        """Where the piece of `key` in the file `name` sits in its tensor."""
+        piece = self.pieces[name][key]
+        return ShardInfo(local_shape=piece.shape, dtype=piece.dtype, global_shape=self.shapes[key], offset=piece.offset)
+
     def read(self, part: list[int], spool_dir: str, spooled: Advance) -> dict[int, SourceTensors]:
         """The files of the ranks `part`, memory-mapped (remote ones spooled to local disk first)."""
         states: dict[int, SourceTensors] = {}
@@ -92,12 +101,8 @@ class ShardFiles(SafetensorsFiles):
         """Each piece, placed in its tensor by the offset its header records."""
         infos = {}
         for key, name in self.file_of.items():
-            piece, tensor = self.checkpoint.pieces[name][key], self[key]
-            infos[key] = ShardInfo(
-                local_shape=piece.shape, dtype=piece.dtype, global_shape=self.checkpoint.shapes[key],
-                offset=piece.offset,
-            )
-            advance(tensor.nbytes)
+            infos[key] = self.checkpoint.shard_info(name, key)
+            advance(self[key].nbytes)
         return infos
 
     def mapped_ranges(self) -> list[tuple[int, int]]:
