@@ -14,6 +14,7 @@ _MODULE_OF = {
     "ExportOptions": "rayexport.orchestration.options",
     "ExportReport": "rayexport.orchestration.report",
     "close_pool": "rayexport.orchestration.pool",
+    "dry_run": "rayexport.orchestration.dry_run",
     "export": "rayexport.orchestration.job",
     "export_remote": "rayexport.remote",
 }

@@ -94,9 +94,9 @@ def dry_run_command(args: argparse.Namespace, source: str, destination: str, opt
             raise ExportError("--dry-run plans an export of --src to --dst; the demo writes its checkpoint as it runs")
         export_options = ExportOptions(src=source, dst=destination, **options)
         refuse_missing_local_source(source)
-        from rayexport.orchestration.dry_run import dry_run
+        from rayexport.orchestration.dry_run import run_dry_run
 
-        result = dry_run(export_options)
+        result = run_dry_run(export_options)
     except Exception as error:  # noqa: BLE001 - one line for anything unexpected, unless --debug
         return print_error(error, args.debug)
     print(result.summary())

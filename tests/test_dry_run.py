@@ -103,14 +103,18 @@ def test_a_235b_moe_megatron_save_is_planned_from_its_metadata(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_70b_fsdp_dcp_save_is_planned_from_its_metadata(tmp_path):
-    """Llama 3.3 70B saved through DCP by 64 FSDP2 ranks (46 272 chunks of holes): its bytes,
-    every tensor, and the embedding and head, larger than a bucket, named as over the bound."""
+def test_a_70b_fsdp_dcp_save_is_planned_from_its_metadata_through_the_python_api(tmp_path):
+    """Llama 3.3 70B saved through DCP by 64 FSDP2 ranks (46 272 chunks of holes), planned by
+    `rayexport.dry_run`: its bytes, every tensor, and the embedding and head, larger than a
+    bucket, named as over the bound."""
+    from rayexport import dry_run
+
     model_bytes = write_sparse_fsdp_dcp(str(tmp_path / "ckpt"))
-    dry = _planned(tmp_path, "--src", str(tmp_path / "ckpt"), "--dst", str(tmp_path / "export"), "--workers", "16")
-    cost = dry["cost"]
-    assert dry["layout"] == "dcp" and dry["world_size"] == 64
-    assert cost["tensor_count"] == 80 * 9 + 3
-    assert cost["tensor_bytes"] == model_bytes == sum(worker["bytes_read"] for worker in cost["workers"])
-    assert len(cost["workers"]) == 16 and any(worker["staging_bytes"] > cost["memory_bound_bytes"] for worker in cost["workers"])
+    planned = dry_run(str(tmp_path / "ckpt"), str(tmp_path / "export"), workers=16)
+    cost = planned.cost
+    assert planned.layout == "dcp" and planned.world_size == 64 and planned.workers == 16
+    assert cost.tensor_count == 80 * 9 + 3
+    assert cost.tensor_bytes == model_bytes == sum(worker.bytes_read for worker in cost.workers)
+    over = cost.over_bound()
+    assert over and f"worker(s) {', '.join(map(str, over))}: a tensor larger than --bucket-size" in planned.summary()
     assert not os.path.exists(tmp_path / "export")

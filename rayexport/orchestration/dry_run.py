@@ -16,6 +16,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 from rayexport.common.memory import peak_rss_bytes
 from rayexport.layouts.base import Checkpoint, Loaded, Part, count_part_bytes
 from rayexport.orchestration.export_plan import ExportPlan, plan_export
@@ -94,7 +95,13 @@ class DryRun:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
 
-def dry_run(options: ExportOptions, seconds: dict[str, float] | None = None) -> DryRun:
+def dry_run(src: str, dst: str, **options: Any) -> DryRun:
+    """Plan the export of `src` to `dst` (options as `export` takes them) from metadata alone,
+    and cost it; nothing is written."""
+    return run_dry_run(ExportOptions(src=src, dst=dst, **options))
+
+
+def run_dry_run(options: ExportOptions, seconds: dict[str, float] | None = None) -> DryRun:
     """Plan the export of `options` as `run_export` would, from metadata only, and cost it."""
     from rayexport.orchestration.job import load_source, output_cost, plan_output
     from rayexport.orchestration.start import describe_source_model
