@@ -59,9 +59,10 @@ def prepare(plan: ExportPlan) -> ModelDescription:
         destination.delete(MANIFEST_NAME)  # uncommit first: a half-rewritten export must not look done
     for key in destination.abort_uploads():
         log.warning("aborted an unfinished upload left by an earlier run: %s", key)
+    model = describe_source_model(plan)  # first: a model refused leaves no folder behind at DST
     destination.write_bytes(".rayexport-write-probe", b"")
     destination.delete(".rayexport-write-probe")
-    return describe_source_model(plan)
+    return model
 
 
 def describe_source_model(plan: ExportPlan) -> ModelDescription:
