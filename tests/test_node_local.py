@@ -167,6 +167,8 @@ def runs(nodes):
             cluster, "--src", f"{view}/megatron", "--dst", str(root / "split-megatron"), "--dtype", "float32"),
         "split-deepspeed": lambda: run_export(
             cluster, "--src", f"{view}/deepspeed", "--dst", str(root / "split-deepspeed"), "--dtype", "float32"),
+        "dry-run-dcp": lambda: run_export(cluster, "--src", f"{view}/dcp", "--dst", str(root / "dry-run"), *SHARDS, "--dry-run"),
+        "dry-run-verl": lambda: run_export(cluster, "--src", f"{view}/verl", "--dst", str(root / "dry-run"), "--dry-run"),
         "missing": lambda: run_export(cluster, "--src", f"{view}/verl-missing", "--dst", str(root / "missing")),
         "differs": lambda: run_export(cluster, "--src", f"{view}/verl-differs", "--dst", str(root / "differs")),
     }
@@ -225,6 +227,23 @@ def test_a_megatron_save_no_node_holds_whole_exports_what_mbridge_exports(nodes,
 def test_a_deepspeed_save_no_node_holds_whole_exports_deepspeeds_own_conversion(nodes, runs):
     """Each worker maps the fp32 buffers of its own node's optimizer states files."""
     assert_split_export_equals(nodes, runs, "deepspeed", "deepspeed-zero3", "zero_to_fp32.safetensors")
+
+
+def test_a_dry_run_places_the_workers_on_the_nodes_as_the_export_then_does(nodes, runs):
+    """`--dry-run` joined to the cluster, on the DCP save split over the nodes: the workers are
+    placed by the files each node holds, and the plan is the one `export_remote` then ran (its
+    report's estimate). A verl save split so is refused in one line: its shapes are in rank files
+    only the workers on their nodes read."""
+    completed, dry, _ = runs["dry-run-dcp"]
+    assert completed.returncode == 0 and dry is not None, completed.stderr[-4000:]
+    _, exported, _ = runs["split-dcp"]
+    cost = dry["cost"]
+    assert len({worker["node"] for worker in cost["workers"]}) == 2 and "nothing written" in completed.stdout
+    assert exported is not None and exported["estimate"] == cost
+    assert not os.path.exists(nodes["root"] / "dry-run")
+    refused, _, _ = runs["dry-run-verl"]
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("rayexport: error:")]
+    assert refused.returncode == 1 and len(lines) == 1 and "holds on the cluster's nodes' own disks" in lines[0], refused.stderr[-3000:]
 
 
 def test_ranks_on_no_node_are_one_line_before_any_worker_starts(nodes, runs):

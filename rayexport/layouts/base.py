@@ -169,6 +169,11 @@ class Checkpoint:
                 f"--dry-run reads only metadata, and a {self.layout} checkpoint records its tensors' shapes inside "
                 f"its files, which '{self.uri}' would have to fetch whole: run it on a local or mounted copy"
             )
+        if self.store.nowhere() is not None:
+            raise ExportError(
+                f"--dry-run reads only metadata, and a {self.layout} checkpoint records its tensors' shapes inside "
+                f"its files, which '{self.uri}' holds on the cluster's nodes' own disks: run it where one folder holds them all"
+            )
         return {rank: tensors.describe() for rank, tensors in self.read(part, "", lambda count: None).items()}
 
 
