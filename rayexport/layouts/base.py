@@ -165,14 +165,15 @@ class Checkpoint:
         that only the records placing each tensor are read: that needs the files where this
         process sees them. A layout whose metadata places every tensor overrides it."""
         if not self.store.is_local:
+            where = "would have to fetch whole: run it on a local or mounted copy"
+        elif self.store.nowhere() is not None:
+            where = "holds on the cluster's nodes' own disks: run it where one folder holds them all"
+        else:
+            where = None
+        if where is not None:
             raise ExportError(
                 f"--dry-run reads only metadata, and a {self.layout} checkpoint records its tensors' shapes inside "
-                f"its files, which '{self.uri}' would have to fetch whole: run it on a local or mounted copy"
-            )
-        if self.store.nowhere() is not None:
-            raise ExportError(
-                f"--dry-run reads only metadata, and a {self.layout} checkpoint records its tensors' shapes inside "
-                f"its files, which '{self.uri}' holds on the cluster's nodes' own disks: run it where one folder holds them all"
+                f"its files, which '{self.uri}' {where}"
             )
         return {rank: tensors.describe() for rank, tensors in self.read(part, "", lambda count: None).items()}
 

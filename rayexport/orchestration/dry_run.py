@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
 from rayexport.common.memory import peak_rss_bytes
 from rayexport.layouts.base import Checkpoint, Loaded, Part, count_part_bytes
 from rayexport.orchestration.export_plan import ExportPlan, plan_export
 from rayexport.orchestration.options import ExportOptions
 from rayexport.orchestration.placement import NodePlacement, group_size
-from rayexport.orchestration.report import timed_stage
 from rayexport.orchestration.session import JOINED, ensure_ray, starts_own_ray
 from rayexport.plan.cost import ExportCost, cost_table
-
-log = logging.getLogger(__name__)
 
 
 class PlannedGroup:
@@ -37,12 +34,8 @@ class PlannedGroup:
     def __init__(self, size: int, nodes: NodePlacement | None = None, writers_limit: int | None = None) -> None:
         self.size = size
         self.nodes = nodes or NodePlacement((None,) * size)
-        self._writers_limit = writers_limit
+        self.writers_limit = writers_limit
         self.read_bytes: dict[int, int] = {}
-
-    @property
-    def writers_limit(self) -> int | None:
-        return self._writers_limit
 
     def load(self, checkpoint: Checkpoint, aliases: dict[str, str]) -> Loaded:
         """Share `checkpoint` as the export's workers would, each part described from metadata."""

@@ -56,10 +56,8 @@ class ReadingGroup(Protocol):
 
     size: int
     nodes: NodePlacement  # the node each worker is pinned to, where it is
+    writers_limit: int | None  # how many of the first workers may write; None: any
     read_bytes: dict[int, int]
-
-    @property
-    def writers_limit(self) -> int | None: ...
 
     def load(self, checkpoint: Checkpoint, aliases: dict[str, str]) -> Loaded: ...
 
