@@ -93,6 +93,23 @@ def test_a_failed_part_fails_the_write_and_publishes_nothing(proxy, s3_prefix):
     assert store.abort_uploads() == []  # every part ended before the upload was aborted
 
 
+def test_a_large_local_write_reaches_the_file_whole(tmp_path, monkeypatch):
+    """A local file is written a tensor at a time, not in its handle's 8 KiB `blocksize`: after
+    a safetensors header nothing lines up with a disk block, and the kernel zeroed the partial
+    blocks of every 8 KiB write (a sixth of a 12 GB export's CPU went there)."""
+    from fsspec.implementations.local import LocalFileOpener
+
+    sizes = []
+    write = LocalFileOpener.write
+    monkeypatch.setattr(LocalFileOpener, "write", lambda self, data: sizes.append(len(data)) or write(self, data))
+    data = os.urandom(24 * MiB + 5)
+    with Store(str(tmp_path)).writer("model.safetensors") as handle:
+        handle.write(data[:13])  # a header's length: every later byte is off the block boundaries
+        handle.write(data[13:])
+    assert sizes == [13, len(data) - 13]
+    assert (tmp_path / "model.safetensors").read_bytes() == data
+
+
 def test_download_fetches_a_few_ranges_at_a_time(proxy, s3_prefix, tmp_path, monkeypatch):
     monkeypatch.setattr(reads, "DOWNLOAD_BLOCK", MiB)
     data = os.urandom(9 * MiB + 5)

@@ -18,6 +18,7 @@ from typing import IO, Any, Callable, Iterator
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.spec import AbstractBufferedFile
 
 from rayexport.common.errors import ExportError, one_line
 from rayexport.storage.reads import copy_ranges, read_retrying
@@ -281,12 +282,15 @@ _READS = frozenset({"check", "stat", "read", "open", "download"})
 class _CheckedWrites:
     """A write handle whose failures name the object being written.
 
-    Large writes are passed on one block at a time: fsspec's buffered files (s3fs) copy a whole
-    write into their buffer before uploading it, so a 2 GB tensor would otherwise cost 2 GB."""
+    Large writes to fsspec's buffered files (s3fs) are passed on one block at a time: those copy
+    a whole write into their buffer before uploading it, so a 2 GB tensor would otherwise cost
+    2 GB. Any other file (a local one) takes each write whole: a local file's `blocksize` is
+    only io's 8 KiB default, and writes of 8 KiB each, unaligned after the safetensors header,
+    cost the kernel more in zeroing the partial blocks of each than in copying the bytes."""
 
     def __init__(self, store: Store, name: str, handle: IO[bytes]) -> None:
         self.store, self.name, self.handle = store, name, handle
-        self.block = getattr(handle, "blocksize", None) or 0
+        self.block = handle.blocksize if isinstance(handle, AbstractBufferedFile) else 0
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
