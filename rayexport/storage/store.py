@@ -12,6 +12,8 @@ import copy
 import errno
 import json
 import logging
+import mmap
+import os
 import posixpath
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterator
@@ -168,6 +170,20 @@ class Store:
                 return b""
 
         return self._call("read", name, read)
+
+    def map_file(self, name: str) -> mmap.mmap | None:
+        """A local object memory-mapped read-only (None where it is empty, which cannot be
+        mapped), for reading it in place, without copies; only for local stores."""
+        if not self.is_local:
+            raise ValueError("map_file() is for local stores; use read_range() for remote ones")
+
+        def open_mapped() -> mmap.mmap | None:
+            with open(self.path(name), "rb") as handle:
+                if os.fstat(handle.fileno()).st_size == 0:
+                    return None
+                return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+
+        return self._call("read", name, open_mapped)
 
     def read_json(self, name: str) -> Any:
         """One object, parsed as JSON."""

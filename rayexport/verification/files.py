@@ -5,8 +5,7 @@ against the source (each tensor's source pieces), with the hash the manifest nam
 
 from __future__ import annotations
 
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,7 +18,7 @@ from rayexport.storage.store import Store
 from rayexport.transport.writer import tensor_bytes
 from rayexport.verification import VerificationError
 from rayexport.verification.expected import ExpectedExport
-from rayexport.verification.reading import READ_AHEAD, READ_BLOCK, is_weights_file, read_header
+from rayexport.verification.reading import READ_BLOCK, is_weights_file, read_header, stream_ranges
 
 Read = tuple[int, int, "tuple[str, int] | None"]  # [start, end) and the tensor and first row it holds
 
@@ -163,21 +162,15 @@ def _read_through(
     store: Store, name: str, reads: list[Read], check: FileCheck, progress: Callable[[int], Any], count: Count,
     file_digest: Any = None, tensors: dict[str, "_TensorCheck"] | None = None,
 ) -> Any:
-    """Read `reads` in order (a few ranges ahead, in threads), feeding the file's digest and
-    each tensor's check; returns the file's digest."""
-    with ThreadPoolExecutor(READ_AHEAD) as pool:
-        pending: deque = deque()
-        for item in reads:
-            pending.append((pool.submit(store.read_range, name, item[0], item[1]), item))
-            if len(pending) > READ_AHEAD:
-                _consume(*pending.popleft(), check, progress, count, file_digest, tensors)
-        while pending:
-            _consume(*pending.popleft(), check, progress, count, file_digest, tensors)
+    """Read `reads` in order (`stream_ranges`), feeding the file's digest and each tensor's
+    check; returns the file's digest."""
+    with contextlib.closing(stream_ranges(store, name, [(start, end) for start, end, _ in reads])) as blocks:
+        for item, data in zip(reads, blocks):
+            _consume(data, item, check, progress, count, file_digest, tensors)
     return file_digest
 
 
-def _consume(future, item: Read, check: FileCheck, progress, count: Count, file_digest, tensors) -> None:
-    data = future.result()
+def _consume(data, item: Read, check: FileCheck, progress, count: Count, file_digest, tensors) -> None:
     start, end, where = item
     if len(data) != end - start:
         raise VerificationError(f"integrity: file {check.name} ended at byte {start + len(data)} while being read")

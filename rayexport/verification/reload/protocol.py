@@ -4,17 +4,16 @@ stdout (requests as JSON lines, answers as a JSON line and the tensor's bytes)."
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import json
 import mmap
 import os
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Callable, Iterator
 
 from rayexport.storage.store import Store
 from rayexport.verification import VerificationError
-from rayexport.verification.reading import READ_AHEAD, READ_BLOCK
+from rayexport.verification.reading import READ_AHEAD, READ_BLOCK, stream_ranges
 
 KEYS_ONLY = "keys-only"
 LOADED_IN_MEMORY = "in-memory"
@@ -31,7 +30,7 @@ WAIT_FOR_ARGUMENTS = "--wait-for-arguments"
 
 class TensorServer:
     """The parent's answers to the child's requests: a tensor of the export's table, read from
-    the store a block at a time, a few blocks ahead, so the parent holds at most READ_AHEAD
+    the store a block at a time (`stream_ranges`), so the parent holds at most READ_AHEAD
     blocks whatever the tensor's size."""
 
     def __init__(self, store: Store, table: dict[str, dict[str, Any]]) -> None:
@@ -50,23 +49,12 @@ class TensorServer:
         pipe.flush()
 
     def _blocks(self, entry: dict[str, Any]) -> Iterator[bytes]:
-        starts = range(entry["start"], entry["end"], READ_BLOCK)
-        with ThreadPoolExecutor(READ_AHEAD) as pool:
-            pending: collections.deque = collections.deque()
-            for start in starts:
-                end = min(start + READ_BLOCK, entry["end"])
-                pending.append((end - start, pool.submit(self.store.read_range, entry["file"], start, end)))
-                if len(pending) >= READ_AHEAD:
-                    yield self._block(entry, *pending.popleft())
-            while pending:
-                yield self._block(entry, *pending.popleft())
-
-    @staticmethod
-    def _block(entry: dict[str, Any], size: int, future) -> bytes:
-        data = future.result()
-        if len(data) != size:
-            raise VerificationError(f"reload: shard {entry['file']} ends before the tensors its header describes")
-        return data
+        ranges = [(start, min(start + READ_BLOCK, entry["end"])) for start in range(entry["start"], entry["end"], READ_BLOCK)]
+        with contextlib.closing(stream_ranges(self.store, entry["file"], ranges)) as blocks:
+            for (start, end), data in zip(ranges, blocks):
+                if len(data) != end - start:
+                    raise VerificationError(f"reload: shard {entry['file']} ends before the tensors its header describes")
+                yield data
 
 
 def converse(process: subprocess.Popen, server: TensorServer) -> dict[str, Any] | None:
