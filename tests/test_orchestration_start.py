@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from support.deepspeed_checkpoints import source_of
+
 # The start of a driver's code that refuses torch and transformers: an import of either fails.
 REFUSING_TORCH = """
 import json, runpy, sys
@@ -66,9 +68,22 @@ def test_a_later_export_of_a_model_runs_its_driver_without_torch(checkpoints, ra
     """Once a model is described (and saved), the command line's driver plans, starts, gathers,
     checks and commits a later export of it with torch and transformers in its workers and the
     reload's process alone: its CPU goes to them."""
+    exports_twice_the_second_without_torch(checkpoints["tied"].path, [], tmp_path, monkeypatch)
+
+
+def test_a_later_export_of_a_deepspeed_save_runs_its_driver_without_torch(deepspeed_checkpoints, ray_address, tmp_path,
+                                                                           monkeypatch):
+    """A ZeRO save's runs are placed in its rank files by the sizes of their dtypes, without
+    torch too (importing it was a second of the driver's plan)."""
+    source, options = source_of(deepspeed_checkpoints["zero3-bf16-tied-zero-init"])
+    exports_twice_the_second_without_torch(source, options, tmp_path, monkeypatch)
+
+
+def exports_twice_the_second_without_torch(source: str, options: list[str], tmp_path, monkeypatch) -> None:
+    """Export `source` through the command line, then again from a process that refuses torch and
+    transformers: the second export is committed and verified."""
     monkeypatch.setenv("RAYEXPORT_CACHE", str(tmp_path / "cache"))
-    source = checkpoints["tied"].path
-    arguments = ["--src", source, "--verify", "quick", "--log-level", "WARNING"]
+    arguments = ["--src", source, *options, "--verify", "quick", "--log-level", "WARNING"]
     first = subprocess.run([sys.executable, "-m", "rayexport.run", *arguments, "--dst", str(tmp_path / "first")],
                            capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rayexport.common.dtypes import dtype_of
+from rayexport.common.dtypes import itemsize
 from rayexport.common.errors import ExportError
 from rayexport.layouts.base import Advance, Checkpoint, Loaded, LoadStep, load_ranks, MappedTensors, SourceSettings, SourceTensors
 from rayexport.layouts.mapped import map_range, mapped_ranges
@@ -299,7 +299,7 @@ def _whole(file: TorchZip, names: list[str], field_name: str = "module") -> tupl
 def _source(file: TorchZip, name: str, shape: tuple[int, ...], tensor: TensorRef, at: int, length: int,
             start: int | None) -> Source:
     """The `Source` of `length` elements of `tensor` from its element `at`."""
-    storage_start = file.byte_range(tensor)[0] - tensor.storage_offset * dtype_of(tensor.dtype).itemsize
+    storage_start = file.byte_range(tensor)[0] - tensor.storage_offset * itemsize(tensor.dtype)
     return Source(name, shape, file.name, tensor, storage_start, tensor.storage_offset + at, length, start)
 
 
@@ -343,7 +343,7 @@ def _spans(sources: tuple[Source, ...]) -> dict[tuple[str, str], tuple[TensorRef
 
 def _span_bytes(span: tuple[TensorRef, int, int]) -> int:
     tensor, low, high = span
-    return (high - low) * dtype_of(tensor.dtype).itemsize
+    return (high - low) * itemsize(tensor.dtype)
 
 
 def _read_rank(store: Store, rank: int, sources: tuple[Source, ...], spool_dir: str, spooled: Advance) -> RunTensors:
@@ -354,7 +354,7 @@ def _read_rank(store: Store, rank: int, sources: tuple[Source, ...], spool_dir: 
     placed: dict[tuple[str, str], tuple[str, int, int]] = {}  # (file, storage) -> path, byte offset, first element
     with open(spool, "wb") if spool else contextlib.nullcontext() as out:
         for (name, key), (tensor, low, high) in _spans(sources).items():
-            item = dtype_of(tensor.dtype).itemsize
+            item = itemsize(tensor.dtype)
             begin, end = byte_starts[name, key] + low * item, byte_starts[name, key] + high * item
             if spool is None:
                 placed[name, key] = store.path(name), begin, low
