@@ -12,7 +12,7 @@ scan, then the pack or the write), and unmapping a page it touched counts as a u
 the mark the kernel would keep the source, read once and done with, in preference to the
 export's own files, which the file check and the reload read next. Where both do not fit
 the page cache (a 36 GB ZeRO save exported to 12 GB on a 24 GiB machine), those re-reads
-then went to the disk: 12 GB of them, against 0.1-1.9 GB with the mark.
+then went to the disk: 12 GB of them, against 0.1-3.6 GB with the mark.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import IO, Any, Callable, Iterator
 
 from rayexport.storage.store import Store
 from rayexport.verification import VerificationError
-from rayexport.verification.reading import READ_AHEAD, READ_BLOCK, stream_ranges
+from rayexport.verification.reading import READ_BLOCK, stream_ranges
 
 KEYS_ONLY = "keys-only"
 LOADED_IN_MEMORY = "in-memory"
