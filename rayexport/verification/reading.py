@@ -56,8 +56,9 @@ def stream_ranges(store: Store, name: str, ranges: Iterable[tuple[int, int]]) ->
     """The bytes of each [start, end) of `ranges` of the object `name`, in order, fewer where it
     ends first. A local file is memory-mapped and each range is a view of it, valid until the
     next is asked for, when its pages leave this process (they stay in the page cache): no copy,
-    and the kernel's read-ahead streams it. A remote object is read READ_AHEAD ranges at a time,
-    in threads, so that it streams at the link's rate."""
+    and the kernel's read-ahead streams it. A remote object is read in threads, READ_AHEAD
+    ranges in flight while the caller uses the one before them, so that it streams at the link's
+    rate."""
     if store.is_local:
         yield from _mapped_ranges(store.map_file(name), ranges)
         return

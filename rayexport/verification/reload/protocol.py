@@ -30,8 +30,8 @@ WAIT_FOR_ARGUMENTS = "--wait-for-arguments"
 
 class TensorServer:
     """The parent's answers to the child's requests: a tensor of the export's table, read from
-    the store a block at a time (`stream_ranges`), so the parent holds at most READ_AHEAD
-    blocks whatever the tensor's size."""
+    the store a block at a time (`stream_ranges`), so the parent holds at most READ_AHEAD + 1
+    blocks (those in flight and the one being sent) whatever the tensor's size."""
 
     def __init__(self, store: Store, table: dict[str, dict[str, Any]]) -> None:
         self.store, self.table = store, table
