@@ -202,7 +202,7 @@ def test_a_vision_tower_with_other_heads_than_the_checkpoint_is_one_line():
     state = vision_language_state(hf_state(config), config)
     config.vision_config.num_heads = 3
     with pytest.raises(ExportError, match=r"'vision_model\.decoder\.layers\.self_attention\.linear_qkv\.(weight|bias)' has shape "
-                                          r"\[2, 96.*\], not 3 heads of q, k and v rows \(10 each.*check --hf-config"):
+                                          r"\[2, 96.*\], not 3 heads of q, k and v rows .*check --hf-config"):
         formats_of(config, state)
 
 
@@ -242,7 +242,7 @@ def test_a_config_with_other_heads_than_the_checkpoint_is_one_line():
     config = dense_config("llama", False)
     state = megatron_state(hf_state(config), config)
     other = dense_config("llama", False, groups=3)
-    with pytest.raises(ExportError, match="not 3 query groups of 2 q heads.*check --hf-config"):
+    with pytest.raises(ExportError, match="not 3 query groups of 16 q, 8 k and 8 v rows.*check --hf-config"):
         formats_of(other, state)
 
 
@@ -256,7 +256,7 @@ def test_a_config_with_more_layers_than_the_checkpoint_is_one_line():
 
 def test_a_model_type_without_rules_is_refused_by_name():
     config = tiny_format_config("qwen2_vl")
-    with pytest.raises(ExportError, match="model type 'qwen2_vl' are not mapped.*rayexport maps llama, mistral"):
+    with pytest.raises(ExportError, match=r"architecture 'Qwen2VLForConditionalGeneration' \(model type 'qwen2_vl'\) are not mapped"):
         formats_of(config, {"embedding.word_embeddings.weight": torch.zeros(1, 1)})
 
 

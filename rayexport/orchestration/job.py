@@ -241,6 +241,7 @@ def _write_and_check(
         files=written.files, tensors=tensors, tied=_tied_pairs(model.formats, planning, output.untied),
         adapter=bool(planning.adapters), pieces=scanned.pieces, level=level, trust_remote_code=options.trust_remote_code,
         format=planning.format, source_finite=finite, written_together=True, serve=options.serve,
+        beyond_model=sorted(model.formats.beyond_model() & set(tensors)),
     )
     consumers = group.start_consumer_checks(plan.destination, expected) if runs_checks(level) else None
     with plan.stage("verify_files") as moved:

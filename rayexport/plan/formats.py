@@ -45,10 +45,14 @@ class Naming:
 @dataclass(frozen=True)
 class ProducerNaming:
     """A trainer's own naming of a model's tensors, and each on-disk tensor as tiles of its
-    tensors (what the trainer's own conversion to Hugging Face names makes)."""
+    tensors (what the trainer's own conversion to Hugging Face names makes). `beyond_model`: the
+    on-disk tensors it also holds that the model's class has none of (shape, dtype), which the
+    Hugging Face checkpoints of the model carry for other consumers (multi-token-prediction layers,
+    which vLLM and SGLang load for speculative decoding)."""
 
     naming: Naming
     disk_tiles: dict[str, tuple[Tile, ...]]
+    beyond_model: Shapes = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,15 @@ class ModelFormats:
         return {alias: canonical for naming in namings for alias, canonical in naming.aliases.items()}
 
     def with_producers(self, producers: dict[str, ProducerNaming]) -> "ModelFormats":
-        """These formats, a checkpoint in one of `producers`' namings read as well."""
-        return replace(self, producers=producers)
+        """These formats, a checkpoint in one of `producers`' namings read as well, and the
+        tensors they hold beyond the model's class named on disk."""
+        beyond = {name: shape for producer in producers.values() for name, shape in producer.beyond_model.items()}
+        disk = replace(self.disk, expected={**self.disk.expected, **beyond}) if beyond else self.disk
+        return replace(self, disk=disk, producers=producers)
+
+    def beyond_model(self) -> frozenset[str]:
+        """The on-disk tensors a producer holds beyond the model's class (`ProducerNaming.beyond_model`)."""
+        return frozenset(name for producer in self.producers.values() for name in producer.beyond_model)
 
     def naming(self, kind: str) -> Naming:
         """The model's naming `kind`: a format, or a producer's naming."""

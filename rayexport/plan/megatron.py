@@ -1,149 +1,69 @@
 """Megatron-Core's names for a Hugging Face model, and the tiles of them that each on-disk tensor
 is: what each tensor of a `torch_dist` checkpoint becomes. Pure functions.
 
-A Megatron-Core checkpoint stacks each layer's tensors on a leading axis
-(`decoder.layers.self_attention.linear_qkv.weight` is (layers, rows, hidden); pipeline stages
-save their layers' range of it), MoE experts on a second one (`...experts.experts.linear_fc1.weight`
-is (layers, experts, 2 * ffn, hidden)), and fuses projections: `linear_qkv` rows come a query
-group at a time, [the group's q heads, its k head, its v head], and `linear_fc1` rows are
-[gate ; up] in the saved tensor (each tensor-parallel rank saves its two halves as two chunks).
-Norms are saved under TransformerEngine's fused names even by the local layer spec
-(`linear_qkv.layer_norm_weight`), or apart (`input_layernorm.weight`). Where the layers differ
-(DeepSeek-V3's dense, then MoE ones) each is saved apart, `decoder.layers.<L>.X`, with no layer
-axis. Multi-latent attention's projections (DeepSeek-V3) are saved unfused, one tensor each.
-So each Hugging Face tensor is a box of one saved tensor: a layer (and expert) index, a block of
-rows. A vision-language model (mbridge's Qwen2.5-VL) saves its language model's tensors under
-`language_model.` and its vision tower's under `vision_model.`, whose `linear_qkv` rows come a
-head at a time, [q ; k ; v], where Hugging Face's fused `qkv` is [all q ; all k ; all v].
+Which Megatron-Core parameter each Hugging Face tensor comes from, and how, is data: the tables
+of `rayexport.plan.megatron_tables`, Megatron-Bridge's own mapping registries. What this module
+adds is where Megatron-Core's `torch_dist` save puts each parameter (`saved_keys`):
+- a save holds each parameter as its global tensor, whatever the tensor parallelism: stacked on a
+  leading layer axis for a block of like layers (`decoder.layers.X` is (layers, ...)), each layer
+  apart where they differ (`decoder.layers.<L>.X`), MoE experts on a second axis
+  (`decoder.layers.mlp.experts.experts.linear_fc1.weight` is (layers, experts, 2 * ffn, hidden));
+  pipeline stages, virtual ones included, save their layers' range of the same tensor;
+- a norm is saved under TransformerEngine's fused name or the local spec's;
+and the model's multi-token-prediction layers, which transformers' classes have no place for
+and Hugging Face checkpoints carry (`ProducerNaming.beyond_model`). How each tensor is cut from
+its saved tensor is `rayexport.plan.megatron_cuts`.
 
-The rules are written out here rather than by calling Megatron's or mbridge's conversions: those
-import Megatron-Core, which needs a torch of its own and builds the whole model. tests/test_megatron.py
-checks them tensor for tensor against mbridge's export of real Megatron-Core checkpoints.
+The rules are applied here rather than by calling Megatron-Bridge: that imports Megatron-Core,
+which needs a torch of its own and builds the whole model. tests/test_megatron_bridge.py checks
+them tensor for tensor against Megatron-Bridge's export of its own saves, and tests/test_megatron.py
+against mbridge's export of Megatron-Core 0.16's.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from rayexport.common.errors import ExportError
 from rayexport.plan.formats import Naming, ProducerNaming
+from rayexport.plan.megatron_cuts import Cut
+from rayexport.plan.megatron_tables import Row, table
 from rayexport.plan.tiles import Tile
 
 PRODUCER = "megatron"
 Saved = dict[str, tuple[tuple[int, ...], str]]  # each saved tensor's global shape and dtype
-Index = tuple[tuple[str, int], ...]  # a position on a saved tensor's leading axes: ("L", layer), ("E", expert)
 
-# How an on-disk tensor is cut from its saved tensor: all of it (after the layer/expert index),
-# the vocabulary's rows (Megatron pads the vocabulary), a query group's q, k or v rows, the gate
-# or up half of `linear_fc1`, or every head's q, k and v rows in turn (a fused `qkv`).
-WHOLE, VOCAB, Q, K, V, GATE, UP, QKV = "whole", "vocab", "q", "k", "v", "gate", "up", "qkv"
-
-_LAYERS = "decoder.layers."
-_ATTENTION = _LAYERS + "self_attention."
-_QKV = _ATTENTION + "linear_qkv."
-_EXPERTS = _LAYERS + "mlp.experts.experts."
-_SHARED = _LAYERS + "mlp.shared_experts."
-# (on-disk name, Megatron names it may be saved under, the cut); {L} is a layer, {E} an expert.
-_RULES = (
-    ("model.embed_tokens.weight", ("embedding.word_embeddings.weight",), VOCAB),
-    ("lm_head.weight", ("output_layer.weight",), VOCAB),
-    ("model.norm.weight", ("decoder.final_layernorm.weight",), WHOLE),
-    ("model.layers.{L}.input_layernorm.weight", (_QKV + "layer_norm_weight", _LAYERS + "input_layernorm.weight"), WHOLE),
-    ("model.layers.{L}.self_attn.q_proj.weight", (_QKV + "weight",), Q),
-    ("model.layers.{L}.self_attn.k_proj.weight", (_QKV + "weight",), K),
-    ("model.layers.{L}.self_attn.v_proj.weight", (_QKV + "weight",), V),
-    ("model.layers.{L}.self_attn.q_proj.bias", (_QKV + "bias",), Q),
-    ("model.layers.{L}.self_attn.k_proj.bias", (_QKV + "bias",), K),
-    ("model.layers.{L}.self_attn.v_proj.bias", (_QKV + "bias",), V),
-    ("model.layers.{L}.self_attn.o_proj.weight", (_LAYERS + "self_attention.linear_proj.weight",), WHOLE),
-    ("model.layers.{L}.self_attn.q_norm.weight", (_LAYERS + "self_attention.q_layernorm.weight",), WHOLE),
-    ("model.layers.{L}.self_attn.k_norm.weight", (_LAYERS + "self_attention.k_layernorm.weight",), WHOLE),
-    ("model.layers.{L}.post_attention_layernorm.weight",
-     (_LAYERS + "mlp.linear_fc1.layer_norm_weight", _LAYERS + "pre_mlp_layernorm.weight"), WHOLE),
-    ("model.layers.{L}.mlp.gate_proj.weight", (_LAYERS + "mlp.linear_fc1.weight",), GATE),
-    ("model.layers.{L}.mlp.up_proj.weight", (_LAYERS + "mlp.linear_fc1.weight",), UP),
-    ("model.layers.{L}.mlp.down_proj.weight", (_LAYERS + "mlp.linear_fc2.weight",), WHOLE),
-    # MoE: Qwen3-MoE's names (Qwen2-MoE's and GLM-4.5's too), then Mixtral's
-    ("model.layers.{L}.mlp.gate.weight", (_LAYERS + "mlp.router.weight",), WHOLE),
-    ("model.layers.{L}.mlp.experts.{E}.gate_proj.weight", (_EXPERTS + "linear_fc1.weight",), GATE),
-    ("model.layers.{L}.mlp.experts.{E}.up_proj.weight", (_EXPERTS + "linear_fc1.weight",), UP),
-    ("model.layers.{L}.mlp.experts.{E}.down_proj.weight", (_EXPERTS + "linear_fc2.weight",), WHOLE),
-    ("model.layers.{L}.block_sparse_moe.gate.weight", (_LAYERS + "mlp.router.weight",), WHOLE),
-    ("model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight", (_EXPERTS + "linear_fc1.weight",), GATE),
-    ("model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight", (_EXPERTS + "linear_fc1.weight",), UP),
-    ("model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight", (_EXPERTS + "linear_fc2.weight",), WHOLE),
-    # DeepSeek-V3: multi-latent attention (q and kv each through a latent of their own, its norm
-    # saved apart by the local spec or fused into the up projection by TE's), a shared expert and
-    # the router's score-correction bias (GLM-4.5's too)
-    ("model.layers.{L}.self_attn.q_proj.weight", (_ATTENTION + "linear_q_proj.weight",), WHOLE),  # no q latent
-    ("model.layers.{L}.self_attn.q_a_proj.weight", (_ATTENTION + "linear_q_down_proj.weight",), WHOLE),
-    ("model.layers.{L}.self_attn.q_a_layernorm.weight",
-     (_ATTENTION + "linear_q_up_proj.layer_norm_weight", _ATTENTION + "q_layernorm.weight"), WHOLE),
-    ("model.layers.{L}.self_attn.q_b_proj.weight", (_ATTENTION + "linear_q_up_proj.weight",), WHOLE),
-    ("model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight", (_ATTENTION + "linear_kv_down_proj.weight",), WHOLE),
-    ("model.layers.{L}.self_attn.kv_a_layernorm.weight",
-     (_ATTENTION + "linear_kv_up_proj.layer_norm_weight", _ATTENTION + "kv_layernorm.weight"), WHOLE),
-    ("model.layers.{L}.self_attn.kv_b_proj.weight", (_ATTENTION + "linear_kv_up_proj.weight",), WHOLE),
-    ("model.layers.{L}.mlp.gate.e_score_correction_bias", (_LAYERS + "mlp.router.expert_bias",), WHOLE),
-    ("model.layers.{L}.mlp.shared_experts.gate_proj.weight", (_SHARED + "linear_fc1.weight",), GATE),
-    ("model.layers.{L}.mlp.shared_experts.up_proj.weight", (_SHARED + "linear_fc1.weight",), UP),
-    ("model.layers.{L}.mlp.shared_experts.down_proj.weight", (_SHARED + "linear_fc2.weight",), WHOLE),
-    # Qwen2-MoE: one shared expert (named in the singular) behind a sigmoid gate of its own
-    ("model.layers.{L}.mlp.shared_expert.gate_proj.weight", (_SHARED + "linear_fc1.weight",), GATE),
-    ("model.layers.{L}.mlp.shared_expert.up_proj.weight", (_SHARED + "linear_fc1.weight",), UP),
-    ("model.layers.{L}.mlp.shared_expert.down_proj.weight", (_SHARED + "linear_fc2.weight",), WHOLE),
-    ("model.layers.{L}.mlp.shared_expert_gate.weight", (_SHARED + "gate_weight",), WHOLE),
-)
-_VISION = "vision_model."
-_VISION_LAYERS = _VISION + _LAYERS
-# Qwen2.5-VL's vision tower (mbridge's names): each block's fused attention and gated MLP, with
-# biases; the merger's norm is the tower's final norm, its MLP Megatron's projection.
-_VISION_RULES = (
-    ("visual.patch_embed.proj.weight", (_VISION + "patch_embed.proj.weight",), WHOLE),
-    ("visual.blocks.{L}.norm1.weight", (_VISION_LAYERS + "self_attention.linear_qkv.layer_norm_weight",), WHOLE),
-    ("visual.blocks.{L}.attn.qkv.weight", (_VISION_LAYERS + "self_attention.linear_qkv.weight",), QKV),
-    ("visual.blocks.{L}.attn.qkv.bias", (_VISION_LAYERS + "self_attention.linear_qkv.bias",), QKV),
-    ("visual.blocks.{L}.attn.proj.weight", (_VISION_LAYERS + "self_attention.linear_proj.weight",), WHOLE),
-    ("visual.blocks.{L}.attn.proj.bias", (_VISION_LAYERS + "self_attention.linear_proj.bias",), WHOLE),
-    ("visual.blocks.{L}.norm2.weight", (_VISION_LAYERS + "mlp.linear_fc1.layer_norm_weight",), WHOLE),
-    ("visual.blocks.{L}.mlp.gate_proj.weight", (_VISION_LAYERS + "mlp.linear_fc1.weight",), GATE),
-    ("visual.blocks.{L}.mlp.up_proj.weight", (_VISION_LAYERS + "mlp.linear_fc1.weight",), UP),
-    ("visual.blocks.{L}.mlp.gate_proj.bias", (_VISION_LAYERS + "mlp.linear_fc1.bias",), GATE),
-    ("visual.blocks.{L}.mlp.up_proj.bias", (_VISION_LAYERS + "mlp.linear_fc1.bias",), UP),
-    ("visual.blocks.{L}.mlp.down_proj.weight", (_VISION_LAYERS + "mlp.linear_fc2.weight",), WHOLE),
-    ("visual.blocks.{L}.mlp.down_proj.bias", (_VISION_LAYERS + "mlp.linear_fc2.bias",), WHOLE),
-    ("visual.merger.ln_q.weight", (_VISION + "decoder.final_layernorm.weight",), WHOLE),
-    ("visual.merger.mlp.0.weight", (_VISION + "projection.encoder.linear_fc1.weight",), WHOLE),
-    ("visual.merger.mlp.0.bias", (_VISION + "projection.encoder.linear_fc1.bias",), WHOLE),
-    ("visual.merger.mlp.2.weight", (_VISION + "projection.encoder.linear_fc2.weight",), WHOLE),
-    ("visual.merger.mlp.2.bias", (_VISION + "projection.encoder.linear_fc2.bias",), WHOLE),
-)
-# The language model's prefix in the Megatron-Core names of each vision-language model type.
-_LANGUAGE_PREFIXES = {"qwen2_5_vl": "language_model."}
-
-
-def _patterns(rules, prefix: str = ""):
-    """`rules` as (pattern of on-disk names, the Megatron names they are saved under, with
-    `prefix`, the cut)."""
-    return tuple(
-        (re.compile("^" + re.escape(disk).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)") + "$"),
-         tuple(prefix + name for name in saved), cut)
-        for disk, saved, cut in rules
-    )
-
-
-_TEXT_PATTERNS = _patterns(_RULES)
-_VLM_PATTERNS = {
-    model_type: _patterns(_RULES, prefix) + _patterns(_VISION_RULES) for model_type, prefix in _LANGUAGE_PREFIXES.items()
-}
-# The Hugging Face model types whose every tensor the rules above name.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe",
-               *_LANGUAGE_PREFIXES)
 # Names only Megatron-Core gives, to recognise its checkpoints by.
 _SIGNATURES = re.compile(
     r"^(language_model\.|vision_model\.)?"
-    r"(embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.(layers|final_layernorm)\..*)$"
+    r"(embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.(layers|final_layernorm)\..*|mtp\.layers\..*)$"
+)
+# A norm's two names: fused into the linear layer that follows it, as TransformerEngine's layer
+# spec has it, or a module apart, as the local spec (and TE's MoE layers) has it. Megatron-Core's
+# local spec saves dense layers under the fused names (its `sharded_state_dict_keys_map`), which
+# is why a save can hold either.
+_NORM_SPELLINGS = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
+    ("self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.q_layernorm.weight"),
+    ("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.kv_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
+)
+# Where a config counts its multi-token-prediction layers (DeepSeek-V3's and GLM's; Qwen3-Next's and Qwen3.5's).
+_MTP_COUNTS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+_MTP_TOKEN = re.compile(r"(\{layers\+mtp\}|\{mtp\})")
+_WILDCARDS = re.compile(r"\{layers\+mtp\}|\{mtp\}|\*\*|\*")
+# The first number of a parameter name, its layer's in a list of like modules that Megatron-Core
+# saves stacked (`decoder.layers.3.X`, `mtp.layers.0.X`, `deepstack_merger_list.0.X`), and an
+# expert's number: TEGroupedMLP's `experts.linear_fc1.weight3` or SequentialMLP's
+# `experts.local_experts.3.linear_fc1.weight` (`*`: every expert, in a fused tensor).
+_LAYER = re.compile(r"^(?P<head>.*?\.)(?P<index>\d+)\.(?P<rest>.+)$")
+_EXPERT = re.compile(
+    r"^(?P<head>.*\.experts\.)(local_experts\.(?P<local>\d+|\*)\.(?P<fc>linear_fc\d)\.(?P<kind>weight|bias)"
+    r"|(?P<grouped_fc>linear_fc\d)\.(?P<grouped_kind>weight|bias)(?P<grouped>\d*|\*))$"
 )
 
 
@@ -164,159 +84,201 @@ def megatron_namings(saved: Saved) -> Callable[[dict, Naming], dict[str, Produce
 def megatron_naming(config: dict, disk: Naming, saved: Saved) -> ProducerNaming:
     """Megatron's naming of the model whose config.json is `config` and on-disk naming `disk`,
     each on-disk tensor as its box of the `saved` tensor it is cut from, or one line naming the
-    model type, tensor or size that does not fit."""
-    model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ExportError(
-            f"Megatron-Core checkpoints of model type '{model_type}' are not mapped to Hugging Face names "
-            f"(rayexport maps {', '.join(MODEL_TYPES)}); check --hf-config"
-        )
-    patterns = _VLM_PATTERNS.get(model_type, _TEXT_PATTERNS)
-    rows = _attention_rows(config)
+    architecture, tensor or size that does not fit."""
+    rows = _compiled(table(config))
     expected: Saved = {}
     tiles: dict[str, tuple[Tile, ...]] = {}
-    for name, (shape, _) in disk.expected.items():
-        source, index, cut = _source_of(name, saved, disk.aliases, patterns)
-        if source not in saved:
-            continue  # a tied alias the checkpoint does not hold
-        expected[source] = saved[source]
-        tiles[name] = _cut(name, source, saved[source][0], index, tuple(shape), cut, rows)
-    aliases = {}
-    for alias, canonical in disk.aliases.items():
-        alias_source, canonical_source = (_source_of(name, saved, disk.aliases, patterns)[0] for name in (alias, canonical))
-        if canonical_source in expected:
-            aliases[alias_source] = canonical_source
-            expected.setdefault(alias_source, expected[canonical_source])
-    return ProducerNaming(Naming(expected, aliases), tiles)
+    found = {name: _source_of(name, rows, saved, config) for name in disk.expected}
+    for name, source in found.items():
+        if source is None:
+            if name in disk.aliases:
+                continue  # a tied alias the checkpoint does not hold
+            raise ExportError(_unsaved(name, rows, saved, config))
+        expected[source.key] = saved[source.key]
+        tiles[name] = source.tiles(name, disk.expected, saved, config)
+    aliases = {
+        found[alias].key: found[canonical].key for alias, canonical in disk.aliases.items()
+        if found.get(alias) is not None and found.get(canonical) is not None and found[alias].key != found[canonical].key
+    }
+    beyond = {}
+    for name, (shape, source) in _mtp_tensors(config, disk, rows, saved).items():
+        expected[source.key] = saved[source.key]
+        beyond[name] = (shape, saved[source.key][1])
+        tiles[name] = source.tiles(name, {**disk.expected, **beyond}, saved, config)
+    return ProducerNaming(Naming(expected, aliases), tiles, beyond)
 
 
-def _source_of(name: str, saved: Saved, aliases: dict[str, str], patterns) -> tuple[str, Index, str]:
-    """The saved tensor that on-disk tensor `name` is cut from, where in it (a layer and an expert
-    index on its leading axes), and the cut; of the saved names (in `patterns`) that can hold it,
-    the one the checkpoint has. A layer's tensors are stacked on a leading axis
-    (`decoder.layers.X`) unless its layers differ (dense and MoE ones, as DeepSeek-V3's): then
-    each layer's are saved apart, as `decoder.layers.<L>.X`."""
-    candidates = []
-    for pattern, sources, cut in patterns:
-        found = pattern.match(name)
-        if not found:
-            continue
-        index = tuple((axis, int(position)) for axis, position in found.groupdict().items() if position is not None)
-        for source in sources:
-            candidates.append((source, index, cut))
-            tower, layers, rest = source.partition(_LAYERS)
-            if index and index[0][0] == "L" and layers:
-                candidates.append((f"{tower}{_LAYERS}{index[0][1]}.{rest}", index[1:], cut))
-    if not candidates:
-        raise ExportError(f"tensor '{name}' of the config's model has no Megatron-Core name rayexport knows")
-    held = next((candidate for candidate in candidates if candidate[0] in saved), None)
-    if held is None and name not in aliases:
-        raise ExportError(f"the Megatron-Core checkpoint has no tensor '{candidates[0][0]}', which '{name}' is cut from")
-    return held or candidates[0]
+def _mtp_tensors(config: dict, disk: Naming, rows: list["_Compiled"], saved: Saved) -> dict[str, tuple[tuple, "_Source"]]:
+    """The model's multi-token-prediction layers the checkpoint holds, which transformers' model
+    class has no place for: each on-disk name, with its shape and saved tensor. Their names are
+    the table's MTP rows at each MTP layer the config counts; a row with more wildcards (experts)
+    takes them, and its shapes, from the last decoder layer's tensors of the same name, as an MTP
+    layer is a decoder layer; one without takes its shape from the saved tensor."""
+    text = _text(config)
+    layers, count = text.get("num_hidden_layers", 0), next((text[f] for f in _MTP_COUNTS if text.get(f)), 0)
+    mtp_rows = [row for row in rows if "{mtp}" in row.megatron]
+    found: dict[str, tuple[tuple, _Source]] = {}
+    for row in mtp_rows:
+        for _, hf, _ in row.parts:
+            head, token, rest = (_MTP_TOKEN.split(hf, maxsplit=1) + ["", ""])[:3]  # no token: the one MTP layer's name
+            decoder = re.compile(rf"^(?:.*\.)?layers\.{layers - 1}(?P<rest>{_regex(rest).pattern[1:-1]})$")
+            suffixes = {match["rest"]: disk.expected[name][0] for name in disk.expected if (match := decoder.match(name))}
+            if not suffixes and not _WILDCARDS.search(rest):
+                suffixes = {rest: None}
+            for layer in range(count if token else min(count, 1)):
+                number = "" if not token else layers + layer if token == "{layers+mtp}" else layer
+                for suffix, shape in suffixes.items():
+                    name = f"{head}{number}{suffix}"
+                    if name in disk.expected or name in found:
+                        continue
+                    source = _source_of(name, mtp_rows, saved, config)
+                    if source is not None:
+                        found[name] = (shape or saved[source.key][0][len(source.index):], source)
+    return found
 
 
-def _attention_rows(config: dict) -> dict[str, dict[str, int]]:
-    """The sizes that place q, k and v rows in `linear_qkv`, by cut (Q, K and V: the language
-    model's, QKV: the vision tower's): heads, query groups, head size."""
-    text = config.get("text_config") or config
-    heads = text["num_attention_heads"]
-    groups = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    rows = dict.fromkeys((Q, K, V), {"heads": heads, "groups": groups, "head_dim": head_dim})
-    if vision := config.get("vision_config"):
-        heads = vision["num_heads"]
-        rows[QKV] = {"heads": heads, "groups": heads, "head_dim": vision["hidden_size"] // heads}
-    return rows
+@dataclass(frozen=True)
+class _Compiled:
+    """A table row ready to match Hugging Face names: each part's pattern as a regex."""
+
+    kind: str
+    megatron: str
+    parts: tuple[tuple[str, str, re.Pattern], ...]  # (part, Hugging Face pattern, its regex)
+    options: dict
 
 
-def _cut(
-    name: str, source: str, source_shape: tuple[int, ...], index: Index, shape: tuple[int, ...], cut: str,
-    rows: dict[str, int],
-) -> tuple[Tile, ...]:
-    """On-disk tensor `name` (of `shape`) as the tiles of saved tensor `source` that `cut` takes
-    at layer/expert `index`, after checking that the saved sizes agree with the config's."""
-    for (axis, position), limit in zip(index, source_shape):
-        if position >= limit:
-            what = {"L": "layer", "E": "expert"}[axis]
-            raise ExportError(
-                f"'{name}' needs {what} {position} of Megatron-Core tensor '{source}', which holds {limit} "
-                f"(shape {list(source_shape)}); check --hf-config"
-            )
-    inner = source_shape[len(index):]
-    positions = tuple(position for _, position in index)
-    if cut in (Q, K, V):
-        return _attention_tiles(name, source, source_shape, positions, shape, cut, rows[cut])
-    if cut == QKV:
-        return _fused_attention_tiles(name, source, source_shape, positions, shape, rows[cut])
-    if cut == VOCAB:  # rows past the vocabulary are Megatron's padding, dropped
-        blocks, fits = [(0, 0, shape[0])], inner[1:] == shape[1:] and inner[0] >= shape[0]
-    elif cut in (GATE, UP):
-        blocks = [(0, 0 if cut == GATE else shape[0], shape[0])]
-        fits = inner == (2 * shape[0], *shape[1:])
-    else:
-        blocks, fits = [(0, 0, shape[0])] if shape else [], inner == shape
-    if not fits:
-        raise ExportError(
-            f"Megatron-Core tensor '{source}' has shape {list(source_shape)}, which has no {cut} part of shape "
-            f"{list(shape)} for '{name}'; check --hf-config"
-        )
-    return _boxes(source, positions, shape, blocks)
+def _compiled(rows: tuple[Row, ...]) -> list[_Compiled]:
+    compiled = []
+    for kind, megatron, hf, *options in rows:
+        parts = hf.items() if isinstance(hf, dict) else (("", hf),)
+        compiled.append(_Compiled(kind, megatron, tuple((part, pattern, _regex(pattern)) for part, pattern in parts),
+                                  options[0] if options else {}))
+    return compiled
 
 
-def _attention_tiles(
-    name: str, source: str, source_shape: tuple[int, ...], index: tuple[int, ...], shape: tuple[int, ...], cut: str,
-    rows: dict[str, int],
-) -> tuple[Tile, ...]:
-    """q, k or v of `linear_qkv` (weight or bias) at layer `index`. Its rows come a query group
-    at a time, [the group's q heads ; its k head ; its v head], `head_dim` rows a head: a tile
-    per group."""
-    heads, groups, head_dim = rows["heads"], rows["groups"], rows["head_dim"]
-    per_group = heads // groups
-    block = (per_group + 2) * head_dim
-    inner = source_shape[len(index):]
-    if heads % groups or inner[0] != groups * block or inner[1:] != shape[1:]:
-        raise ExportError(
-            f"Megatron-Core tensor '{source}' has shape {list(source_shape)}, not {groups} query groups of "
-            f"{per_group} q heads, a k and a v head of {head_dim} rows each (the config's sizes); check --hf-config"
-        )
-    start, length = {Q: (0, per_group), K: (per_group, 1), V: (per_group + 1, 1)}[cut]
-    start, length = start * head_dim, length * head_dim
-    if shape[0] != groups * length:
-        raise ExportError(f"'{name}' has {shape[0]} rows, not the {groups * length} that '{source}' holds for it")
-    return _boxes(source, index, shape, [(group * length, group * block + start, length) for group in range(groups)])
+def _regex(pattern: str) -> re.Pattern:
+    """A table pattern as a regex whose groups are its wildcards, in order: `*` a number, `**` a
+    name; the MTP layer's number is group `mtp`, where Hugging Face numbers it after the decoder's
+    layers (`{layers+mtp}`) or from 0 (`{mtp}`)."""
+    escaped = re.escape(pattern).replace(r"\*\*", "(.+)").replace(r"\*", r"(\d+)")
+    escaped = escaped.replace(r"\{layers\+mtp\}", r"(?P<mtp>\d+)").replace(r"\{mtp\}", r"(?P<mtp>\d+)")
+    return re.compile("^" + escaped + "$")
 
 
-def _fused_attention_tiles(
-    name: str, source: str, source_shape: tuple[int, ...], index: tuple[int, ...], shape: tuple[int, ...],
-    rows: dict[str, int],
-) -> tuple[Tile, ...]:
-    """A fused `qkv` (weight or bias) at layer `index`: every head's q rows, then every head's k
-    rows, then v's, from `linear_qkv`, whose rows come a head at a time, [q ; k ; v]."""
-    heads, head_dim = rows["heads"], rows["head_dim"]
-    inner = source_shape[len(index):]
-    if inner != shape or shape[0] != 3 * heads * head_dim:
-        raise ExportError(
-            f"Megatron-Core tensor '{source}' has shape {list(source_shape)}, not {heads} heads of q, k and v rows "
-            f"({head_dim} each, the config's sizes) for '{name}' of shape {list(shape)}; check --hf-config"
-        )
-    return _boxes(source, index, shape, [
-        ((part * heads + head) * head_dim, (3 * head + part) * head_dim, head_dim)
-        for part in range(3) for head in range(heads)
-    ])
+@dataclass(frozen=True)
+class _Source:
+    """Where an on-disk tensor comes from: table row `row`'s part `part`, at the saved tensor
+    `key`, whose leading axes are indexed at `index` (its layer, its expert), with the wildcard
+    values `captures` that named it."""
+
+    row: _Compiled
+    part: str
+    key: str
+    index: tuple[int, ...]
+    captures: tuple[str, ...]
+
+    def tiles(self, name: str, shapes: dict, saved: Saved, config: dict) -> tuple[Tile, ...]:
+        """The tiles of the saved tensor that on-disk tensor `name` (of `shapes[name]`) is."""
+        parts = {part: tuple(shapes[sibling][0]) for part, sibling in self.siblings().items() if sibling in shapes}
+        tower = config["vision_config"] if self.key.startswith("vision_model.") and config.get("vision_config") else _text(config)
+        cut = Cut(self.row.kind, self.row.options, self.part, self.key, tuple(saved[self.key][0]), self.index, tower)
+        return cut.tiles(name, tuple(shapes[name][0]), parts)
+
+    def siblings(self) -> dict[str, str]:
+        """The on-disk names of every part of the row at the same wildcard values."""
+        return {part: _fill(pattern, self.captures) for part, pattern, _ in self.row.parts}
 
 
-def _boxes(
-    source: str, index: tuple[int, ...], shape: tuple[int, ...], blocks: list[tuple[int, int, int]]
-) -> tuple[Tile, ...]:
-    """The tiles of a target of `shape` that take, for each (target row, source row, rows) of
-    `blocks`, those rows of `source`'s tensor at layer/expert `index` (a 0-D target: its one
-    element)."""
-    lead = len(index)
-    if not shape:
-        return (Tile(source, (), (), index, ()),)
-    rest = (0,) * (len(shape) - 1)
-    axes = tuple(range(lead, lead + len(shape)))
-    return tuple(
-        Tile(source, (target_row, *rest), (rows, *shape[1:]), (*index, source_row, *rest), axes)
-        for target_row, source_row, rows in blocks
-    )
+def _fill(pattern: str, captures: tuple[str, ...]) -> str:
+    """`pattern` with its wildcards replaced by `captures`, in order."""
+    values = iter(captures)
+    return _WILDCARDS.sub(lambda _: next(values), pattern)
+
+
+def _source_of(name: str, rows: list[_Compiled], saved: Saved, config: dict) -> _Source | None:
+    """The first table row whose pattern names `name` and whose parameter the checkpoint holds,
+    where it holds it; None if none does."""
+    for row in rows:
+        for part, hf, regex in row.parts:
+            found = regex.match(name)
+            if found is None:
+                continue
+            parameter = _parameter(row.megatron, hf, found, config)
+            if parameter is None:
+                continue
+            for key, index in saved_keys(parameter):
+                if key in saved and len(saved[key][0]) >= len(index):
+                    return _Source(row, part, key, index, found.groups())
+    return None
+
+
+def _parameter(megatron: str, hf: str, found: re.Match, config: dict) -> str | None:
+    """The Megatron-Core parameter name of table pattern `megatron` at the wildcard values that
+    the Hugging Face name matched (`found`, by `hf`); a wildcard left over (a fused tensor's
+    experts) stays `*`. An MTP layer is numbered from 0, also where Hugging Face numbers it after
+    the decoder's layers (`{layers+mtp}`) or has one MTP layer it gives no number; None where
+    its number is not past the decoder's layers."""
+    captures = list(found.groups())
+    layer = 0
+    if "mtp" in found.re.groupindex:
+        layer = int(captures.pop(found.re.groupindex["mtp"] - 1))
+        if "{layers+mtp}" in hf:
+            layer -= _text(config)["num_hidden_layers"]
+        if layer < 0:
+            return None
+    values = iter(captures)
+    return re.sub(r"\*\*|\*", lambda wildcard: next(values, wildcard.group()), megatron.replace("{mtp}", str(layer)))
+
+
+def saved_keys(parameter: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Where Megatron-Core's torch_dist save can put `parameter`, each a key and the index on its
+    leading axes: an MoE expert's tensor on the experts' axis of its layer's
+    (`...mlp.experts.experts.linear_fc1.weight`); a layer's on the layer axis of a stack of like
+    layers (or of other modules of a list), or apart under its own number; a norm under either spec's name for it
+    (`_NORM_SPELLINGS`). A parameter naming no expert (`weight*`: a fused tensor of them all)
+    indexes none."""
+    keys = []
+    for spelling in _spellings(parameter):
+        keys.extend(key for key in _placed(spelling) if key not in keys)
+    return keys
+
+
+def _spellings(parameter: str) -> list[str]:
+    """`parameter`, and the same norm under the other layer spec's name."""
+    for fused, apart in _NORM_SPELLINGS:
+        for this, other in ((fused, apart), (apart, fused)):
+            if parameter.endswith("." + this):
+                return [parameter, parameter[: -len(this)] + other]
+    return [parameter]
+
+
+def _placed(parameter: str) -> list[tuple[str, tuple[int, ...]]]:
+    """`saved_keys` of one spelling of a parameter."""
+    experts: tuple[int, ...] = ()
+    expert = _EXPERT.match(parameter)
+    if expert is not None:
+        number = expert["local"] or expert["grouped"]
+        fc, kind = expert["fc"] or expert["grouped_fc"], expert["kind"] or expert["grouped_kind"]
+        parameter = f"{expert['head']}experts.{fc}.{kind}"
+        experts = (int(number),) if number not in (None, "", "*") else ()
+    layer = _LAYER.match(parameter)
+    if layer is None:
+        return [(parameter, experts)]
+    stacked = layer["head"] + layer["rest"]
+    return [(stacked, (int(layer["index"]), *experts)), (parameter, experts)]
+
+
+def _unsaved(name: str, rows: list[_Compiled], saved: Saved, config: dict) -> str:
+    """Why on-disk tensor `name` has no saved tensor: no row names it, or the one that does names
+    a parameter the checkpoint lacks."""
+    for row in rows:
+        for _, hf, regex in row.parts:
+            found = regex.match(name)
+            if found is not None and (parameter := _parameter(row.megatron, hf, found, config)) is not None:
+                key = saved_keys(parameter)[0][0]
+                return f"the Megatron-Core checkpoint has no tensor '{key}', which '{name}' is cut from"
+    return f"tensor '{name}' of the config's model has no Megatron-Core name in rayexport's tables"
+
+
+def _text(config: dict) -> dict:
+    return config.get("text_config") or config

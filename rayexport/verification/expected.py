@@ -38,12 +38,16 @@ class ExpectedExport:
     written_together: bool = False
     serve: ServeRequest | None = None  # the serve check the user asked for (not in the manifest)
     digest: str = FAST
+    # tensors the export holds that transformers' model class has no place for, which its reload
+    # leaves out (multi-token-prediction layers, for vLLM's and SGLang's speculative decoding)
+    beyond_model: list[str] = field(default_factory=list)
 
     def to_manifest(self) -> dict[str, Any]:
         """The parts of the manifest `from_manifest` reads back."""
         return {
             "digest": self.digest, "files": self.files, "tensors": self.tensors, "tied": [list(pair) for pair in self.tied],
             "adapter": self.adapter, "source_pieces": self.pieces, "source_finite": self.source_finite,
+            "beyond_model": self.beyond_model,
         }
 
     @classmethod
@@ -59,6 +63,7 @@ class ExpectedExport:
             format=options.get("format", ON_DISK),
             source_finite=manifest.get("source_finite", True),
             digest=manifest_algorithm(manifest),
+            beyond_model=manifest.get("beyond_model", []),
         )
 
     def sample(self) -> list[str]:

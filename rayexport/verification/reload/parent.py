@@ -195,7 +195,10 @@ def child_arguments(
 
 
 def checked(result: dict[str, Any], expected: ExpectedExport) -> dict[str, Any]:
-    """The child's result, or VerificationError naming the first check it failed."""
+    """The child's result, or VerificationError naming the first check it failed. The tensors
+    the export holds beyond the model's class (`ExpectedExport.beyond_model`) are the unexpected
+    keys transformers is expected to leave out."""
+    result = dict(result, unexpected_keys=sorted(set(result["unexpected_keys"]) - set(expected.beyond_model)))
     for field_name in KEY_FIELDS:
         if result[field_name]:
             raise VerificationError(f"reload: {field_name.replace('_', ' ')} {result[field_name][:3]}")
