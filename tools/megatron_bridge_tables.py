@@ -9,11 +9,11 @@ Megatron-Bridge; it reads these tables (`rayexport/plan/megatron_tables.py`), wh
 Hugging Face tensor, the Megatron-Core parameter it comes from and how (the mapping's kind).
 
 Each bridge's registry is built for a small config of its architecture (transformers' defaults,
-a few layers, one multi-token-prediction layer where the model has them), so that registries
-that depend on the config list everything they can map. Where a registry names a concrete MTP
-layer, the table names it generically: Megatron's `mtp.layers.{mtp}.` is MTP layer i, and the
-Hugging Face `layers.{layers+mtp}.` is decoder layer `num_hidden_layers + i` (DeepSeek-V3's and
-GLM-4.5's naming of MTP layers).
+many layers, one multi-token-prediction layer where the model has them), so that registries that
+depend on the config list everything they can map. The table names an MTP layer as one, whether
+the registry names a concrete one or all: Megatron's `mtp.layers.{mtp}.` is MTP layer i, Hugging
+Face's `mtp.layers.{mtp}.` the same (Qwen3-Next's, Qwen3.5's naming), and its `layers.{layers+mtp}.`
+decoder layer `num_hidden_layers + i` (DeepSeek-V3's and GLM-4.5's).
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ def with_fused_experts(bridge, config):
 
 
 def generic_mtp(name: str) -> str:
-    """`name` with its concrete MTP layer (Megatron's `mtp.layers.0.`, Hugging Face's layer after
-    the last decoder layer) named generically."""
-    name = re.sub(r"\bmtp\.layers\.0\.", "mtp.layers.{mtp}.", name)
+    """`name` with its MTP layer (Megatron's `mtp.layers.0.` or `mtp.layers.*.`, Hugging Face's
+    the same or the layer after the last decoder layer) named as one."""
+    name = re.sub(r"\bmtp\.layers\.(0|\*)\.", "mtp.layers.{mtp}.", name)
     return name.replace(f"layers.{LAYERS}.", "layers.{layers+mtp}.")
 
 

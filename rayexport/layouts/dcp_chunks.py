@@ -228,7 +228,7 @@ class RemoteChunks(SourceTensors):
         """What `piece` takes from its chunk, fetched as the one byte range that holds it."""
         chunk = self.chunks[piece.source_key]
         if piece.region is None:
-            return self[piece.source_key]
+            return piece_tensor(self[piece.source_key], piece)
         strides = [math.prod(chunk.sizes[axis + 1:]) for axis in range(len(chunk.sizes))]
         first = sum(start * stride for (start, _, _), stride in zip(piece.region, strides))
         last = sum((start + (length - 1) * step) * stride for (start, length, step), stride in zip(piece.region, strides))

@@ -246,7 +246,10 @@ def _tile_pieces(tile: Tile, plan, piece: Piece, name: str, shape: tuple[int, ..
         selection = select(tile, piece.offset, piece.shape)
         if selection is None:
             return []
-        return [Piece(piece.rank, piece.source_key, selection.offset, selection.shape, piece.dtype, selection.region, selection.axes)]
+        return [Piece(
+            piece.rank, piece.source_key, selection.offset, selection.shape, piece.dtype, selection.region, selection.axes,
+            tile.shift,
+        )]
     try:
         runs = select_runs(tile, plan.shape, shape, piece.offset[0], piece.shape[0])
     except ValueError:
@@ -255,6 +258,9 @@ def _tile_pieces(tile: Tile, plan, piece: Piece, name: str, shape: tuple[int, ..
             f"export with --format {source_kind}"
         ) from None
     return [
-        Piece(piece.rank, piece.source_key, (run.target_start,), (run.length,), piece.dtype, ((run.local_start, run.length, 1),), (0,))
+        Piece(
+            piece.rank, piece.source_key, (run.target_start,), (run.length,), piece.dtype, ((run.local_start, run.length, 1),),
+            (0,), tile.shift,
+        )
         for run in runs
     ]

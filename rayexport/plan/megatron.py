@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 from rayexport.common.errors import ExportError
 from rayexport.plan.formats import Naming, ProducerNaming
-from rayexport.plan.megatron_cuts import Cut
+from rayexport.plan.megatron_cuts import Cut, split_keys
 from rayexport.plan.megatron_tables import Row, table
 from rayexport.plan.tiles import Tile
 
@@ -94,16 +94,16 @@ def megatron_naming(config: dict, disk: Naming, saved: Saved) -> ProducerNaming:
             if name in disk.aliases:
                 continue  # a tied alias the checkpoint does not hold
             raise ExportError(_unsaved(name, rows, saved, config))
-        expected[source.key] = saved[source.key]
+        expected.update({key: saved[key] for key in source.keys})
         tiles[name] = source.tiles(name, disk.expected, saved, config)
     aliases = {
         found[alias].key: found[canonical].key for alias, canonical in disk.aliases.items()
         if found.get(alias) is not None and found.get(canonical) is not None and found[alias].key != found[canonical].key
     }
-    beyond = {}
-    for name, (shape, source) in _mtp_tensors(config, disk, rows, saved).items():
-        expected[source.key] = saved[source.key]
-        beyond[name] = (shape, saved[source.key][1])
+    mtp = _mtp_tensors(config, disk, rows, saved)
+    beyond = {name: (shape, saved[source.keys[0]][1]) for name, (shape, source) in mtp.items()}
+    for name, (_, source) in mtp.items():
+        expected.update({key: saved[key] for key in source.keys})
         tiles[name] = source.tiles(name, {**disk.expected, **beyond}, saved, config)
     return ProducerNaming(Naming(expected, aliases), tiles, beyond)
 
@@ -133,7 +133,7 @@ def _mtp_tensors(config: dict, disk: Naming, rows: list["_Compiled"], saved: Sav
                         continue
                     source = _source_of(name, mtp_rows, saved, config)
                     if source is not None:
-                        found[name] = (shape or saved[source.key][0][len(source.index):], source)
+                        found[name] = (shape or saved[source.keys[0]][0][len(source.index):], source)
     return found
 
 
@@ -177,11 +177,18 @@ class _Source:
     index: tuple[int, ...]
     captures: tuple[str, ...]
 
+    @property
+    def keys(self) -> list[str]:
+        """The saved tensors it is read from: `key`, or the pieces Megatron-Core saves it split into."""
+        return split_keys(self.row.kind, self.part, self.key)
+
     def tiles(self, name: str, shapes: dict, saved: Saved, config: dict) -> tuple[Tile, ...]:
         """The tiles of the saved tensor that on-disk tensor `name` (of `shapes[name]`) is."""
         parts = {part: tuple(shapes[sibling][0]) for part, sibling in self.siblings().items() if sibling in shapes}
         tower = config["vision_config"] if self.key.startswith("vision_model.") and config.get("vision_config") else _text(config)
-        cut = Cut(self.row.kind, self.row.options, self.part, self.key, tuple(saved[self.key][0]), self.index, tower)
+        pieces = tuple((key, tuple(saved[key][0])) for key in self.keys)
+        cut = Cut(self.row.kind, self.row.options, self.part, self.key, pieces[0][1], self.index, tower,
+                  pieces if self.keys != [self.key] else ())
         return cut.tiles(name, tuple(shapes[name][0]), parts)
 
     def siblings(self) -> dict[str, str]:
@@ -207,7 +214,7 @@ def _source_of(name: str, rows: list[_Compiled], saved: Saved, config: dict) -> 
             if parameter is None:
                 continue
             for key, index in saved_keys(parameter):
-                if key in saved and len(saved[key][0]) >= len(index):
+                if all(held in saved and len(saved[held][0]) >= len(index) for held in split_keys(row.kind, part, key)):
                     return _Source(row, part, key, index, found.groups())
     return None
 
@@ -244,12 +251,15 @@ def saved_keys(parameter: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _spellings(parameter: str) -> list[str]:
-    """`parameter`, and the same norm under the other layer spec's name."""
+    """`parameter`, and the same tensor under the other names a save gives it: a norm under the
+    other layer spec's name; an MTP layer's transformer layer as `transformer_layer`, as
+    Megatron-Core's `MultiTokenPredictionLayer.sharded_state_dict` saves its `mtp_model_layer`."""
+    spellings = [parameter]
     for fused, apart in _NORM_SPELLINGS:
         for this, other in ((fused, apart), (apart, fused)):
             if parameter.endswith("." + this):
-                return [parameter, parameter[: -len(this)] + other]
-    return [parameter]
+                spellings.append(parameter[: -len(this)] + other)
+    return spellings + [name.replace(".mtp_model_layer.", ".transformer_layer.") for name in spellings if ".mtp_model_layer." in name]
 
 
 def _placed(parameter: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -19,7 +19,7 @@ A kind not listed here (a mapping whose transform rayexport does not apply yet) 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rayexport.common.errors import ExportError
 from rayexport.plan.tiles import Tile, permute
@@ -27,12 +27,32 @@ from rayexport.plan.tiles import Tile, permute
 _VOCAB = re.compile(r"(^|\.)(embedding\.word_embeddings|output_layer)\.weight$")
 
 
+# The kinds whose parameter Megatron-Core saves split into pieces of its own, `<key>.<piece>`
+# (its `_split_tensor_factory`: GatedDeltaNet's and MambaMixer's input projections and
+# convolutions), each a global tensor; by kind, each Hugging Face part's pieces, in the order its
+# rows take them. `gdn_in_proj` (Qwen3-Next) takes them a key head at a time, the others whole.
+SPLITS = {
+    "gdn_in_proj": {"qkvz": ("query", "key", "value", "z"), "ba": ("beta", "alpha")},
+    "gdn_in_proj_separate": {"qkv": ("query", "key", "value"), "z": ("z",), "b": ("beta",), "a": ("alpha",)},
+    "gdn_conv1d": {"": ("query", "key", "value")},
+    "mamba_in_proj": {"": ("z", "x", "B", "C", "dt")},
+    "mamba_conv1d": {"": ("x", "B", "C")},
+}
+
+
+def split_keys(kind: str, part: str, key: str) -> list[str]:
+    """The saved tensors a Hugging Face part of a row of `kind` is read from, for parameter
+    `key`: the key itself, or the pieces Megatron-Core saves it split into."""
+    return [f"{key}.{piece}" for piece in SPLITS[kind][part]] if kind in SPLITS else [key]
+
+
 @dataclass(frozen=True)
 class Cut:
     """One Hugging Face tensor's source: table row kind `kind` (with its `options`), its part
     `part` (q, k, v; gate, up; "" for a row of one tensor), from saved tensor `key` of shape
-    `key_shape` at `index` on its leading axes; `tower`, the config section of the model part it
-    belongs to (a VLM's vision tower, or its language model)."""
+    `key_shape` at `index` on its leading axes (a split parameter's pieces: `pieces`, their
+    shapes by key); `tower`, the config section of the model part it belongs to (a VLM's vision
+    tower, or its language model)."""
 
     kind: str
     options: dict
@@ -41,6 +61,7 @@ class Cut:
     key_shape: tuple[int, ...]
     index: tuple[int, ...]
     tower: dict
+    pieces: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def tiles(self, name: str, shape: tuple[int, ...], parts: dict[str, tuple[int, ...]]) -> tuple[Tile, ...]:
         """On-disk tensor `name` of `shape` as tiles of the saved tensor; `parts`: the shapes of
@@ -117,6 +138,17 @@ def _qkv(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile, ...]:
             f"{groups} query groups of {sizes['q'] // groups} q, {sizes['k'] // groups} k and {sizes['v'] // groups} v rows "
             f"(the config's query groups, the on-disk tensors' sizes)",
         )
+    heads = cut.tower.get("num_attention_heads") or groups
+    head_dim = cut.tower.get("head_dim") or cut.tower.get("hidden_size", 0) // heads
+    if cut.part == "q" and sizes["q"] == 2 * heads * head_dim:
+        # an attention output gate (Qwen3-Next, Qwen3.5): Hugging Face's q_proj holds each head's
+        # q rows then its gate rows; a saved group, its heads' q rows, then their gate rows
+        per_group = heads // groups
+        return cut.boxes(shape, sorted(
+            (2 * head * head_dim + gate * head_dim,
+             head // per_group * block + gate * per_group * head_dim + head % per_group * head_dim, head_dim)
+            for head in range(heads) for gate in (0, 1)
+        ))
     start = {"q": 0, "k": sizes["q"] // groups, "v": (sizes["q"] + sizes["k"]) // groups}[cut.part]
     length = sizes[cut.part] // groups
     return cut.boxes(shape, [(group * length, group * block + start, length) for group in range(groups)])
@@ -138,6 +170,33 @@ def _concatenated_qkv(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[T
         blocks.append((heads * head_dim + group * head_dim, group * block + q_rows, head_dim))
         blocks.append(((heads + groups) * head_dim + group * head_dim, group * block + q_rows + head_dim, head_dim))
     return cut.boxes(shape, sorted(blocks))
+
+
+def _zero_centred(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile, ...]:
+    """A norm Megatron-Core holds zero-centred, less the 1 Hugging Face's holds: added back."""
+    return tuple(replace(tile, shift=1.0) for tile in _direct(cut, name, shape, parts))
+
+
+def _pieces(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile, ...]:
+    """A Hugging Face tensor whose rows are a split parameter's pieces (`SPLITS`) one after the
+    other; for Qwen3-Next's input projections, the rows of each key head's group of each piece in
+    turn ([q ; k ; v ; z] of head 0, then of head 1, ...)."""
+    groups = cut.tower.get("linear_num_key_heads", 1) if cut.kind == "gdn_in_proj" else 1
+    inner = {key: piece_shape[len(cut.index):] for key, piece_shape in cut.pieces}
+    if not shape or sum(rows[0] for rows in inner.values()) != shape[0] or any(
+        rows[0] % groups or rows[1:] != shape[1:] for rows in inner.values()
+    ):
+        raise ExportError(
+            f"Megatron-Core tensors {', '.join(f'{key!r} {list(piece_shape)}' for key, piece_shape in cut.pieces)} "
+            f"are not {groups} group(s) of rows of '{name}' of shape {list(shape)}; check --hf-config"
+        )
+    tiles, target = [], 0
+    for group in range(groups):
+        for key, rows in inner.items():
+            length = rows[0] // groups
+            tiles.extend(replace(cut, key=key).boxes(shape, [(target, group * length, length)]))
+            target += length
+    return tuple(tiles)
 
 
 def _gated_mlp(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile, ...]:
@@ -162,5 +221,6 @@ def _fused_experts(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile
 
 _CUTS = {
     "direct": _direct, "qkv": _qkv, "concatenated_qkv": _concatenated_qkv, "gated_mlp": _gated_mlp,
-    "fused_experts": _fused_experts, "fused_gated_experts": _fused_experts,
+    "fused_experts": _fused_experts, "fused_gated_experts": _fused_experts, "zero_centered_norm": _zero_centred,
+    **dict.fromkeys(SPLITS, _pieces),
 }

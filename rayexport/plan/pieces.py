@@ -27,7 +27,8 @@ class Piece:
     converted tensor (`plan/formats.py`) it is the box `region` (start, length, step per axis)
     of the rank's local shard, laid out along the output's axes (`axes`, as in `Tile`); otherwise the whole local shard.
     A piece with a one-element offset in a tensor of other than one dimension is a run of the
-    flattened tensor (`is_run`), as DeepSpeed ZeRO partitions parameters."""
+    flattened tensor (`is_run`), as DeepSpeed ZeRO partitions parameters. `shift` is added to
+    its values as they are read (a tile's, `rayexport.plan.tiles.Tile`)."""
 
     rank: int
     source_key: str
@@ -36,6 +37,7 @@ class Piece:
     dtype: str
     region: tuple[tuple[int, int, int], ...] | None = None
     axes: tuple[int | None, ...] | None = None
+    shift: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -44,13 +46,15 @@ class Piece:
 
 def piece_tensor(local: torch.Tensor, piece: Piece) -> torch.Tensor:
     """What `piece` takes from a rank's local shard: all of it, or for a converted tensor its
-    region laid out along the output's axes."""
+    region laid out along the output's axes; its `shift` added (in the tensor's own dtype, as the
+    producer's converter adds it)."""
     if piece.region is None:
-        return local
+        return local + piece.shift if piece.shift else local
     region = local[tuple(slice(start, start + length * step, step) for start, length, step in piece.region)]
     kept = [axis for axis in piece.axes if axis is not None]
     dropped = [axis for axis in range(region.dim()) if axis not in kept]  # unit extent
-    return region.permute(kept + dropped).reshape(piece.shape)
+    values = region.permute(kept + dropped).reshape(piece.shape)
+    return values + piece.shift if piece.shift else values
 
 
 def is_run(piece: Piece, shape: tuple[int, ...]) -> bool:

@@ -20,7 +20,9 @@ class Tile:
     """target[offset : offset + shape] is a box of tensor `source` starting at `source_offset`.
     Target axis i runs along source axis `axes[i]` (None: a unit axis the source lacks); a
     source axis no target axis runs along has extent 1 in the box. Along source axis a the box
-    takes every `steps[a]`-th index (no steps: every index)."""
+    takes every `steps[a]`-th index (no steps: every index). `shift` is added to every element
+    taken: a producer that saves a tensor less a constant (Megatron-Core's zero-centred norms,
+    which Hugging Face's hold with their 1 added) needs it added back."""
 
     source: str
     offset: tuple[int, ...]
@@ -28,6 +30,7 @@ class Tile:
     source_offset: tuple[int, ...]
     axes: tuple[int | None, ...]
     steps: tuple[int, ...] = ()
+    shift: float = 0.0
 
     def step(self, axis: int) -> int:
         """How far apart the box's indices along source axis `axis` are."""
@@ -120,8 +123,8 @@ def concatenate(parts: list[tuple[tuple[Tile, ...], int]], dim: int) -> tuple[Ti
 def invert(tile: Tile, target: str) -> Tile:
     """The same box seen the other way round: the region of `tile.source` that `target`
     (the tensor `tile` belongs to) provides."""
-    if any(step != 1 for step in tile.steps):
-        raise ValueError(f"a tile of '{tile.source}' taking every k-th index has no box for an inverse")
+    if any(step != 1 for step in tile.steps) or tile.shift:
+        raise ValueError(f"a tile of '{tile.source}' taking every k-th index, or shifting its values, has no inverse")
     return Tile(
         source=target,
         offset=tile.source_offset,
