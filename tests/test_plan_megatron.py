@@ -285,3 +285,82 @@ def test_megatron_names_read_as_plain_dcp_point_at_the_megatron_layout():
     formats = model_formats(model, expected_tensors(model), find_tie_aliases(model))
     with pytest.raises(ExportError, match=r"these look like megatron names \(.*\): read them with --layout megatron"):
         match_names(state, formats)
+
+
+def mtp_layer_state(hf, config):
+    """Hugging Face's MTP layer (Qwen3-Next's and Qwen3.5's names, `mtp.*`) laid out as
+    Megatron-Core saves it: `mtp.layers.0.` for the layer's own projection and norms, and its
+    decoder layer under `transformer_layer.`, as `MultiTokenPredictionLayer.sharded_state_dict`
+    names it."""
+    groups = config.num_key_value_heads
+    q, k, v = (hf[f"mtp.layers.0.self_attn.{part}_proj.weight"] for part in "qkv")
+    layer = "mtp.layers.0.transformer_layer."
+    return {
+        "mtp.layers.0.eh_proj.weight": hf["mtp.fc.weight"],
+        "mtp.layers.0.enorm.weight": hf["mtp.pre_fc_norm_embedding.weight"],
+        "mtp.layers.0.hnorm.weight": hf["mtp.pre_fc_norm_hidden.weight"],
+        "mtp.layers.0.final_layernorm.weight": hf["mtp.norm.weight"],
+        layer + "self_attention.linear_qkv.weight": torch.cat(
+            [torch.cat([q.chunk(groups)[g], k.chunk(groups)[g], v.chunk(groups)[g]]) for g in range(groups)]
+        ),
+        layer + "self_attention.linear_qkv.layer_norm_weight": hf["mtp.layers.0.input_layernorm.weight"],
+        layer + "self_attention.q_layernorm.weight": hf["mtp.layers.0.self_attn.q_norm.weight"],
+        layer + "self_attention.k_layernorm.weight": hf["mtp.layers.0.self_attn.k_norm.weight"],
+        layer + "self_attention.linear_proj.weight": hf["mtp.layers.0.self_attn.o_proj.weight"],
+        layer + "mlp.linear_fc1.layer_norm_weight": hf["mtp.layers.0.post_attention_layernorm.weight"],
+        layer + "mlp.linear_fc1.weight": torch.cat([hf["mtp.layers.0.mlp.gate_proj.weight"], hf["mtp.layers.0.mlp.up_proj.weight"]]),
+        layer + "mlp.linear_fc2.weight": hf["mtp.layers.0.mlp.down_proj.weight"],
+    }
+
+
+def test_mtp_layers_are_exported_beyond_the_models_class():
+    """A save with a multi-token-prediction layer (MiMo's on Qwen3, as Megatron-Bridge's Qwen3
+    bridge maps it) exports it under Hugging Face's names, each of a decoder layer's tensors
+    shaped as the last decoder layer's, the layer's own projection and norms as saved; the names
+    are on-disk names the model's class has no place for (`beyond_model`)."""
+    config = dense_config("qwen3", False)
+    hf = hf_state(config)
+    generator = torch.Generator().manual_seed(1)
+    last = f"model.layers.{config.num_hidden_layers - 1}."
+    mtp = {f"mtp.layers.0.{name[len(last):]}": torch.randn(tensor.shape, generator=generator)
+           for name, tensor in hf.items() if name.startswith(last)}
+    hidden = config.hidden_size
+    mtp.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=generator),
+                **{f"mtp.{norm}.weight": torch.randn(hidden, generator=generator)
+                   for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    state = {**megatron_state(hf, config), **mtp_layer_state(mtp, config)}
+    config.mtp_num_hidden_layers = 1
+    formats = formats_of(config, state)
+    assert formats.beyond_model() == set(mtp)
+    _, tensors = exported(state, formats)
+    assert set(tensors) == set(hf) | set(mtp)
+    for name, tensor in {**hf, **mtp}.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
+@pytest.mark.parametrize("head", ["Qwen3ForTokenClassification", "Qwen3ForSequenceClassification"])
+def test_a_critics_or_reward_models_output_layer_is_its_score_head(head):
+    """A critic (verl's Megatron critic: the GPT model with an output layer of one row) exported
+    as the causal LM's token classifier, whose `score` has a bias; a reward model as its
+    sequence classifier, whose has none."""
+    config = dense_config("qwen3", False)
+    hf = hf_state(config)
+    state = megatron_state(hf, config)
+    state["output_layer.weight"] = torch.randn(1, config.hidden_size)
+    if head.endswith("TokenClassification"):
+        state["output_layer.bias"] = torch.randn(1)
+    critic = transformers.Qwen3Config(**{**config.to_dict(), "num_labels": 1, "id2label": {0: "value"}, "architectures": [head]})
+    _, tensors = exported(state, formats_of(critic, state))
+    assert "lm_head.weight" not in tensors and torch.equal(tensors["score.weight"], state["output_layer.weight"])
+    assert ("score.bias" in tensors) == head.endswith("TokenClassification")
+    assert all(torch.equal(tensors[name], tensor) for name, tensor in hf.items() if name != "lm_head.weight")
+
+
+def test_a_token_classifier_of_an_output_layer_without_bias_is_one_line():
+    config = dense_config("qwen3", False)
+    state = megatron_state(hf_state(config), config)
+    state["output_layer.weight"] = torch.randn(1, config.hidden_size)
+    critic = transformers.Qwen3Config(**{**config.to_dict(), "num_labels": 1, "id2label": {0: "value"},
+                                         "architectures": ["Qwen3ForTokenClassification"]})
+    with pytest.raises(ExportError, match="no tensor 'output_layer.bias', which 'score.bias' is cut from"):
+        formats_of(critic, state)

@@ -81,8 +81,13 @@ MBRIDGE_TABLES: dict[str, tuple[Row, ...]] = {
           for fc, index in ((1, 0), (2, 2)) for kind in ("weight", "bias")),
     ),
 }
-# A critic's or reward model's head: Megatron's output layer of one row (a value) or of the labels' rows.
-_SCORE: Row = ("direct", "output_layer.weight", "score.weight", {})
+# A critic's or reward model's head: Megatron's output layer of one row (a value) or of the labels'
+# rows, with its bias where it has one (a token classifier's `score` has one; a sequence
+# classifier's none).
+_SCORE: tuple[Row, ...] = (
+    ("direct", "output_layer.weight", "score.weight", {}),
+    ("direct", "output_layer.bias", "score.bias", {}),
+)
 _HEAD_CLASSES = re.compile(r"^(?P<base>\w+)For(TokenClassification|SequenceClassification)$")
 
 
@@ -117,4 +122,4 @@ def table(config: dict) -> tuple[Row, ...]:
             f"are not mapped to Hugging Face names (rayexport maps {len(architectures())} architectures, "
             f"docs/layouts.md lists them); check --hf-config"
         )
-    return ((_SCORE,) if head else ()) + rows
+    return (_SCORE if head else ()) + rows
