@@ -338,29 +338,26 @@ def test_mtp_layers_are_exported_beyond_the_models_class():
         assert torch.equal(tensors[name], tensor), name
 
 
-@pytest.mark.parametrize("head", ["Qwen3ForTokenClassification", "Qwen3ForSequenceClassification"])
-def test_a_critics_or_reward_models_output_layer_is_its_score_head(head):
+@pytest.mark.parametrize("head,bias", [
+    ("Qwen3ForTokenClassification", True), ("Qwen3ForTokenClassification", False), ("Qwen3ForSequenceClassification", False),
+])
+def test_a_critics_or_reward_models_output_layer_is_its_score_head(head, bias):
     """A critic (verl's Megatron critic: the GPT model with an output layer of one row) exported
-    as the causal LM's token classifier, whose `score` has a bias; a reward model as its
-    sequence classifier, whose has none."""
+    as the causal LM's token classifier, whose `score` has a bias: the output layer's, or zeros
+    where it has none (verl's value head computes without); a reward model as its sequence
+    classifier, whose `score` has none."""
     config = dense_config("qwen3", False)
     hf = hf_state(config)
     state = megatron_state(hf, config)
     state["output_layer.weight"] = torch.randn(1, config.hidden_size)
-    if head.endswith("TokenClassification"):
+    if bias:
         state["output_layer.bias"] = torch.randn(1)
     critic = transformers.Qwen3Config(**{**config.to_dict(), "num_labels": 1, "id2label": {0: "value"}, "architectures": [head]})
     _, tensors = exported(state, formats_of(critic, state))
     assert "lm_head.weight" not in tensors and torch.equal(tensors["score.weight"], state["output_layer.weight"])
-    assert ("score.bias" in tensors) == head.endswith("TokenClassification")
+    if head.endswith("TokenClassification"):
+        expected = state["output_layer.bias"] if bias else torch.zeros(1)
+        assert torch.equal(tensors["score.bias"], expected) and not tensors["score.bias"].signbit().any()
+    else:
+        assert "score.bias" not in tensors
     assert all(torch.equal(tensors[name], tensor) for name, tensor in hf.items() if name != "lm_head.weight")
-
-
-def test_a_token_classifier_of_an_output_layer_without_bias_is_one_line():
-    config = dense_config("qwen3", False)
-    state = megatron_state(hf_state(config), config)
-    state["output_layer.weight"] = torch.randn(1, config.hidden_size)
-    critic = transformers.Qwen3Config(**{**config.to_dict(), "num_labels": 1, "id2label": {0: "value"},
-                                         "architectures": ["Qwen3ForTokenClassification"]})
-    with pytest.raises(ExportError, match="no tensor 'output_layer.bias', which 'score.bias' is cut from"):
-        formats_of(critic, state)

@@ -14,7 +14,7 @@ from rayexport.plan.megatron_cuts import Cut, split_keys
 
 def applied(tiles, sources, shape):
     """The target of `shape` the tiles make of `sources` (name: tensor), each tile's box of its
-    source laid along the target's axes, plus its shift; every element set exactly once."""
+    source laid along the target's axes, scaled and shifted; every element set exactly once."""
     out = torch.full(shape, float("nan"))
     covered = torch.zeros(shape, dtype=torch.int64)
     for tile in tiles:
@@ -26,7 +26,7 @@ def applied(tiles, sources, shape):
         kept = [axis for axis in tile.axes if axis is not None]
         box = box.permute(kept + [axis for axis in range(box.dim()) if axis not in kept]).reshape(tile.shape)
         region = tuple(slice(start, start + size) for start, size in zip(tile.offset, tile.shape))
-        out[region] = box + tile.shift
+        out[region] = box * tile.scale + tile.shift
         covered[region] += 1
     assert torch.equal(covered, torch.ones_like(covered))
     return out
@@ -104,6 +104,14 @@ def test_a_zero_centred_norm_gets_its_one_back():
     saved = torch.randn(2, 8)
     tiles = cut("zero_centered_norm", "", "out_norm", saved, (1,)).tiles("x", (8,), {})
     assert torch.equal(applied(tiles, {"out_norm": saved}, (8,)), saved[1] + 1)
+
+
+def test_zeros_stand_in_for_a_value_heads_missing_bias():
+    head = torch.randn(2, 1, 8)  # (layers, one value row, hidden): the last layer's output layer
+    head[1, 0, 0] = -3.0
+    tiles = cut("zeros", "", "output_layer.weight", head, (1,)).tiles("score.bias", (1,), {})
+    zeros = applied(tiles, {"output_layer.weight": head}, (1,))
+    assert torch.equal(zeros, torch.zeros(1))
 
 
 def test_qwen3_next_projections_take_each_key_heads_group_of_each_piece():

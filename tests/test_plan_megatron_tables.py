@@ -57,7 +57,7 @@ def test_architectures_are_megatron_bridges_and_mbridges():
 def test_a_critic_or_reward_model_takes_its_causal_lms_rows_and_a_score_head():
     causal = table({"architectures": ["Qwen3ForCausalLM"]})
     critic = table({"architectures": ["Qwen3ForTokenClassification"]})
-    assert critic[2:] == causal and [row[2] for row in critic[:2]] == ["score.weight", "score.bias"]
+    assert critic[3:] == causal and [row[2] for row in critic[:3]] == ["score.weight", "score.bias", "score.bias"]
     assert table({"architectures": ["Qwen2_5_VLForConditionalGeneration"]})[-1] == MBRIDGE_TABLES["Qwen2_5_VLForConditionalGeneration"][-1]
 
 

@@ -248,7 +248,7 @@ def _tile_pieces(tile: Tile, plan, piece: Piece, name: str, shape: tuple[int, ..
             return []
         return [Piece(
             piece.rank, piece.source_key, selection.offset, selection.shape, piece.dtype, selection.region, selection.axes,
-            tile.shift,
+            tile.scale, tile.shift,
         )]
     try:
         runs = select_runs(tile, plan.shape, shape, piece.offset[0], piece.shape[0])
@@ -260,7 +260,7 @@ def _tile_pieces(tile: Tile, plan, piece: Piece, name: str, shape: tuple[int, ..
     return [
         Piece(
             piece.rank, piece.source_key, (run.target_start,), (run.length,), piece.dtype, ((run.local_start, run.length, 1),),
-            (0,), tile.shift,
+            (0,), tile.scale, tile.shift,
         )
         for run in runs
     ]

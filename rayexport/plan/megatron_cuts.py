@@ -177,6 +177,17 @@ def _zero_centred(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile,
     return tuple(replace(tile, shift=1.0) for tile in _direct(cut, name, shape, parts))
 
 
+def _zeros(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile, ...]:
+    """Zeros the model holds where Megatron has no tensor (a value head without a bias: the
+    token classifier's `score.bias`), as 0 x the first elements of the row's parameter: a box of
+    `shape` from its first row (the value head's rows), one element of every other axis."""
+    inner = cut.inner
+    if len(shape) != 1 or not inner or inner[0] != shape[0]:
+        raise cut.misfit(name, shape, f"{shape[0] if shape else 0} rows to stand zeros in for")
+    tile = Tile(cut.key, (0,), shape, (*cut.index, *(0,) * len(inner)), (len(cut.index),), scale=0.0)
+    return (tile,)
+
+
 def _pieces(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile, ...]:
     """A Hugging Face tensor whose rows are a split parameter's pieces (`SPLITS`) one after the
     other; for Qwen3-Next's input projections, the rows of each key head's group of each piece in
@@ -222,5 +233,6 @@ def _fused_experts(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile
 _CUTS = {
     "direct": _direct, "qkv": _qkv, "concatenated_qkv": _concatenated_qkv, "gated_mlp": _gated_mlp,
     "fused_experts": _fused_experts, "fused_gated_experts": _fused_experts, "zero_centered_norm": _zero_centred,
+    "zeros": _zeros,
     **dict.fromkeys(SPLITS, _pieces),
 }

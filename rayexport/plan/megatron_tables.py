@@ -82,11 +82,12 @@ MBRIDGE_TABLES: dict[str, tuple[Row, ...]] = {
     ),
 }
 # A critic's or reward model's head: Megatron's output layer of one row (a value) or of the labels'
-# rows, with its bias where it has one (a token classifier's `score` has one; a sequence
-# classifier's none).
+# rows, with its bias where it has one (a token classifier's `score` has one, a sequence
+# classifier's none); zeros where it has none (verl's value head), as the model computes without.
 _SCORE: tuple[Row, ...] = (
     ("direct", "output_layer.weight", "score.weight", {}),
     ("direct", "output_layer.bias", "score.bias", {}),
+    ("zeros", "output_layer.weight", "score.bias", {}),
 )
 _HEAD_CLASSES = re.compile(r"^(?P<base>\w+)For(TokenClassification|SequenceClassification)$")
 

@@ -27,8 +27,8 @@ class Piece:
     converted tensor (`plan/formats.py`) it is the box `region` (start, length, step per axis)
     of the rank's local shard, laid out along the output's axes (`axes`, as in `Tile`); otherwise the whole local shard.
     A piece with a one-element offset in a tensor of other than one dimension is a run of the
-    flattened tensor (`is_run`), as DeepSpeed ZeRO partitions parameters. `shift` is added to
-    its values as they are read (a tile's, `rayexport.plan.tiles.Tile`)."""
+    flattened tensor (`is_run`), as DeepSpeed ZeRO partitions parameters. Its values are
+    multiplied by `scale` and `shift` added as they are read (a tile's, `rayexport.plan.tiles.Tile`)."""
 
     rank: int
     source_key: str
@@ -37,6 +37,7 @@ class Piece:
     dtype: str
     region: tuple[tuple[int, int, int], ...] | None = None
     axes: tuple[int | None, ...] | None = None
+    scale: float = 1.0
     shift: float = 0.0
 
     @property
@@ -46,15 +47,20 @@ class Piece:
 
 def piece_tensor(local: torch.Tensor, piece: Piece) -> torch.Tensor:
     """What `piece` takes from a rank's local shard: all of it, or for a converted tensor its
-    region laid out along the output's axes; its `shift` added (in the tensor's own dtype, as the
-    producer's converter adds it)."""
+    region laid out along the output's axes; scaled and shifted as it says (in the tensor's own
+    dtype, as the producer's converter computes)."""
     if piece.region is None:
-        return local + piece.shift if piece.shift else local
+        return _affine(local, piece)
     region = local[tuple(slice(start, start + length * step, step) for start, length, step in piece.region)]
     kept = [axis for axis in piece.axes if axis is not None]
     dropped = [axis for axis in range(region.dim()) if axis not in kept]  # unit extent
-    values = region.permute(kept + dropped).reshape(piece.shape)
-    return values + piece.shift if piece.shift else values
+    return _affine(region.permute(kept + dropped).reshape(piece.shape), piece)
+
+
+def _affine(values: torch.Tensor, piece: Piece) -> torch.Tensor:
+    if piece.scale == 1 and not piece.shift:
+        return values
+    return values * piece.scale + piece.shift  # the shift after the scale: 0 x -1 + 0 is +0, not -0
 
 
 def is_run(piece: Piece, shape: tuple[int, ...]) -> bool:

@@ -20,9 +20,11 @@ class Tile:
     """target[offset : offset + shape] is a box of tensor `source` starting at `source_offset`.
     Target axis i runs along source axis `axes[i]` (None: a unit axis the source lacks); a
     source axis no target axis runs along has extent 1 in the box. Along source axis a the box
-    takes every `steps[a]`-th index (no steps: every index). `shift` is added to every element
-    taken: a producer that saves a tensor less a constant (Megatron-Core's zero-centred norms,
-    which Hugging Face's hold with their 1 added) needs it added back."""
+    takes every `steps[a]`-th index (no steps: every index). Every element taken is multiplied
+    by `scale` and `shift` added: a producer that saves a tensor less a constant (Megatron-Core's
+    zero-centred norms, which Hugging Face's hold with their 1 added) needs it added back, and
+    one that has no tensor where the model holds zeros (a value head's bias) gives them as 0 x a
+    box of another."""
 
     source: str
     offset: tuple[int, ...]
@@ -30,6 +32,7 @@ class Tile:
     source_offset: tuple[int, ...]
     axes: tuple[int | None, ...]
     steps: tuple[int, ...] = ()
+    scale: float = 1.0
     shift: float = 0.0
 
     def step(self, axis: int) -> int:
@@ -123,8 +126,8 @@ def concatenate(parts: list[tuple[tuple[Tile, ...], int]], dim: int) -> tuple[Ti
 def invert(tile: Tile, target: str) -> Tile:
     """The same box seen the other way round: the region of `tile.source` that `target`
     (the tensor `tile` belongs to) provides."""
-    if any(step != 1 for step in tile.steps) or tile.shift:
-        raise ValueError(f"a tile of '{tile.source}' taking every k-th index, or shifting its values, has no inverse")
+    if any(step != 1 for step in tile.steps) or tile.scale != 1 or tile.shift:
+        raise ValueError(f"a tile of '{tile.source}' taking every k-th index, or changing its values, has no inverse")
     return Tile(
         source=target,
         offset=tile.source_offset,
