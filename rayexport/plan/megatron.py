@@ -111,19 +111,23 @@ def megatron_naming(config: dict, disk: Naming, saved: Saved) -> ProducerNaming:
 def _mtp_tensors(config: dict, disk: Naming, rows: list["_Compiled"], saved: Saved) -> dict[str, tuple[tuple, "_Source"]]:
     """The model's multi-token-prediction layers the checkpoint holds, which transformers' model
     class has no place for: each on-disk name, with its shape and saved tensor. Their names are
-    the table's MTP rows at each MTP layer the config counts; a row with more wildcards (experts)
-    takes them, and its shapes, from the last decoder layer's tensors of the same name, as an MTP
-    layer is a decoder layer; one without takes its shape from the saved tensor."""
+    the table's MTP rows at each MTP layer the config counts. An MTP layer is a decoder layer: a
+    tensor the decoder's layers have too is named, and shaped, as the last decoder layer's of the
+    same name (its experts' numbers included), and not at all where the model names it otherwise
+    (a row of the other expert format); the layer's own (its norms and projection) take their
+    shapes from the saved tensor."""
     text = _text(config)
     layers, count = text.get("num_hidden_layers", 0), next((text[f] for f in _MTP_COUNTS if text.get(f)), 0)
     mtp_rows = [row for row in rows if "{mtp}" in row.megatron]
+    decoder_parts = [hf for row in rows if "{mtp}" not in row.megatron for _, hf, _ in row.parts]
     found: dict[str, tuple[tuple, _Source]] = {}
     for row in mtp_rows:
         for _, hf, _ in row.parts:
             head, token, rest = (_MTP_TOKEN.split(hf, maxsplit=1) + ["", ""])[:3]  # no token: the one MTP layer's name
             decoder = re.compile(rf"^(?:.*\.)?layers\.{layers - 1}(?P<rest>{_regex(rest).pattern[1:-1]})$")
             suffixes = {match["rest"]: disk.expected[name][0] for name in disk.expected if (match := decoder.match(name))}
-            if not suffixes and not _WILDCARDS.search(rest):
+            of_decoder = token and any(part.endswith("layers.*" + rest) for part in decoder_parts)
+            if not suffixes and not of_decoder and not _WILDCARDS.search(rest):
                 suffixes = {rest: None}
             for layer in range(count if token else min(count, 1)):
                 number = "" if not token else layers + layer if token == "{layers+mtp}" else layer

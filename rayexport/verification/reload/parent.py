@@ -136,6 +136,14 @@ def check_reload(
     return checked(result, expected)
 
 
+_LAYER = re.compile(r"^.*?layers\.\d+\.")  # a name's layer: `model.layers.61.`, `mtp.layers.0.`
+
+
+def _starts_in(key: str, prefixes: set[str]) -> bool:
+    found = _LAYER.match(key)
+    return found is not None and found[0] in prefixes
+
+
 def tensor_table(store: Store) -> dict[str, dict[str, Any]]:
     """Every tensor of the export's weight files, from their headers read by byte range: its
     file, dtype (torch's name), shape and absolute byte range [start, end)."""
@@ -196,9 +204,12 @@ def child_arguments(
 
 def checked(result: dict[str, Any], expected: ExpectedExport) -> dict[str, Any]:
     """The child's result, or VerificationError naming the first check it failed. The tensors
-    the export holds beyond the model's class (`ExpectedExport.beyond_model`) are the unexpected
-    keys transformers is expected to leave out."""
-    result = dict(result, unexpected_keys=sorted(set(result["unexpected_keys"]) - set(expected.beyond_model)))
+    the export holds beyond the model's class (`ExpectedExport.beyond_model`) are unexpected keys
+    transformers is expected to leave out, under their names or, converted on load, under others
+    of the same layer (an MTP layer's experts, fused)."""
+    beyond = set(expected.beyond_model) | {found[0] for name in expected.beyond_model if (found := _LAYER.match(name))}
+    unexpected = [key for key in result["unexpected_keys"] if key not in beyond and not _starts_in(key, beyond)]
+    result = dict(result, unexpected_keys=unexpected)
     for field_name in KEY_FIELDS:
         if result[field_name]:
             raise VerificationError(f"reload: {field_name.replace('_', ' ')} {result[field_name][:3]}")
