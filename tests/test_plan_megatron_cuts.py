@@ -25,7 +25,10 @@ def applied(tiles, sources, shape):
         )]
         kept = [axis for axis in tile.axes if axis is not None]
         box = box.permute(kept + [axis for axis in range(box.dim()) if axis not in kept]).reshape(tile.shape)
-        region = tuple(slice(start, start + size) for start, size in zip(tile.offset, tile.shape))
+        region = tuple(
+            slice(start, start + (size - 1) * tile.target_step(axis) + 1, tile.target_step(axis))
+            for axis, (start, size) in enumerate(zip(tile.offset, tile.shape))
+        )
         out[region] = box * tile.scale + tile.shift
         covered[region] += 1
     assert torch.equal(covered, torch.ones_like(covered))
@@ -144,6 +147,26 @@ def test_split_pieces_are_the_hugging_face_rows_one_after_the_other(kind, part, 
     pieces = tuple((key, tuple(saved[key].shape)) for key in split_keys(kind, part, "p"))
     tiles = Cut(kind, {}, part, "p", pieces[0][1], (1,), {}, pieces).tiles("x", tuple(expected.shape), {})
     assert torch.equal(applied(tiles, saved, expected.shape), expected)
+
+
+def test_gpt_oss_experts_interleave_gate_and_up_columns_and_transpose_down():
+    """gpt-oss's `gate_up_proj` (experts, hidden, 2 * ffn) holds each expert's gate and up
+    columns interleaved, gate first; `down_proj` (experts, ffn, hidden) each expert's linear_fc2
+    transposed, though square (as gpt-oss's are); the biases as saved ([gate ; up] interleaved)."""
+    experts, ffn, hidden = 3, 4, 4
+    gate, up = torch.randn(experts, hidden, ffn), torch.randn(experts, hidden, ffn)
+    gate_up = torch.stack([gate, up], dim=-1).reshape(experts, hidden, 2 * ffn)
+    fc1 = torch.cat([gate, up], dim=-1).transpose(1, 2)  # (experts, [gate ; up], hidden)
+    saved = torch.stack([torch.zeros_like(fc1), fc1])  # layer 1
+    tiles = cut("gpt_oss_gate_up", "", "fc1", saved, (1,)).tiles("gate_up_proj", tuple(gate_up.shape), {})
+    assert torch.equal(applied(tiles, {"fc1": saved}, gate_up.shape), gate_up)
+    bias = torch.randn(experts, 2, ffn)  # [gate ; up] rows
+    tiles = cut("gpt_oss_gate_up", "", "fc1.bias", bias.reshape(experts, 2 * ffn)).tiles("gate_up_proj_bias", (experts, 2 * ffn), {})
+    assert torch.equal(applied(tiles, {"fc1.bias": bias.reshape(experts, 2 * ffn)}, (experts, 2 * ffn)),
+                      bias.transpose(1, 2).reshape(experts, 2 * ffn))
+    fc2 = torch.randn(experts, hidden, ffn)
+    tiles = cut("gpt_oss_down", "", "fc2", fc2).tiles("down_proj", (experts, ffn, hidden), {})
+    assert torch.equal(applied(tiles, {"fc2": fc2}, (experts, ffn, hidden)), fc2.transpose(1, 2))
 
 
 def test_the_vocabulary_is_cut_from_its_padded_rows_and_unit_axes_are_added():

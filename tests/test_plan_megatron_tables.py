@@ -14,7 +14,7 @@ from rayexport.plan.megatron_tables import MBRIDGE_TABLES, architectures, bridge
 
 # Megatron-Bridge mapping kinds no tested architecture needs, which rayexport refuses by name.
 REFUSED_KINDS = {
-    "gpt_oss_gate_up", "gpt_oss_down", "_HCAlphaMapping", "_HCAlphaSecondaryMapping", "_MTPFlatteningMapping",
+    "_HCAlphaMapping", "_HCAlphaSecondaryMapping", "_MTPFlatteningMapping",
     "_MTPFlatteningQKVMapping", "_ConcatBiasMapping", "_OffsetGatedMLPMapping", "_OffsetRowParallelMapping",
     "StackedExpertAutoMapping", "StackedExpertGatedMLPMapping", "QKVGMapping", "KVMapping",
 }

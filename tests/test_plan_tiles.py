@@ -7,7 +7,7 @@ import torch
 
 import pytest
 
-from rayexport.plan.pieces import Piece, piece_tensor
+from rayexport.plan.pieces import Piece, piece_tensor, placed
 from rayexport.plan.tiles import (
     BoxIndex, Tile, concatenate, drop_axis, insert_axis, invert, is_whole, narrow, permute, select, select_runs, whole,
 )
@@ -23,9 +23,9 @@ def rebuild(tiles, sources, shape, shards=None):
             selection = select(tile, offset, tuple(part.shape))
             if selection is None:
                 continue
-            piece = Piece(0, tile.source, selection.offset, selection.shape, "float32", selection.region, selection.axes)
-            region = tuple(slice(start, start + size) for start, size in zip(piece.offset, piece.shape))
-            target[region] = piece_tensor(part, piece)
+            piece = Piece(0, tile.source, selection.offset, selection.shape, "float32", selection.region, selection.axes,
+                          placement_steps=selection.steps)
+            target[placed(piece)] = piece_tensor(part, piece)
     return target
 
 
@@ -92,6 +92,23 @@ def test_strided_tiles_interleave_rows_through_shards_that_cut_heads():
     assert torch.equal(rebuild(tiles, {"q": q}, tuple(q.shape), shards), expected)
     narrowed = narrow(tiles, 0, 5, 9)  # the target's rows 5..13, as a tile of a split would take them
     assert torch.equal(rebuild(narrowed, {"q": q}, (9, columns), shards), expected[5:14])
+
+
+def test_columns_interleaved_in_the_target_land_on_every_other_column_through_shards():
+    """gpt-oss's gate_up_proj: the gate and up halves of each expert's rows, transposed, land on
+    the even and odd columns of the target; shards that cut experts and rows send their parts to
+    their places."""
+    experts, rows, hidden = 3, 4, 5
+    fc1 = torch.randn(experts, 2 * rows, hidden)
+    expected = torch.stack([fc1[:, :rows], fc1[:, rows:]], dim=-1).transpose(1, 2).reshape(experts, hidden, 2 * rows)
+    tiles = tuple(
+        Tile("fc1", (0, 0, part), (experts, hidden, rows), (0, part * rows, 0), (0, 2, 1), target_steps=(1, 1, 2))
+        for part in (0, 1)
+    )
+    shards = {"fc1": [((0, 0, 0), fc1[:2, :3]), ((0, 3, 0), fc1[:2, 3:]), ((2, 0, 0), fc1[2:])]}
+    assert torch.equal(rebuild(tiles, {"fc1": fc1}, tuple(expected.shape), shards), expected)
+    with pytest.raises(ValueError, match="interleaved in its target cannot be moved further"):
+        narrow(tiles, 0, 0, 1)
 
 
 def rebuild_from_runs(tiles, sources, shape, runs):

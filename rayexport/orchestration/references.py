@@ -133,6 +133,7 @@ def _records(found: list[tuple[TensorPlan, Piece, bool, str | None, Any]], diges
         pieces.setdefault(plan.name, []).append({
             "rank": piece.rank, "source_key": piece.source_key,
             "offset": list(piece.offset), "shape": list(piece.shape), FAST: digest,
+            **({"steps": list(piece.placement_steps)} if piece.placement_steps else {}),
             **({"lora": True} if adapter is not None else {}),
         })
     non_finite = [piece.source_key for _, piece, finite, _, _ in found if not finite]

@@ -248,7 +248,7 @@ def _tile_pieces(tile: Tile, plan, piece: Piece, name: str, shape: tuple[int, ..
             return []
         return [Piece(
             piece.rank, piece.source_key, selection.offset, selection.shape, piece.dtype, selection.region, selection.axes,
-            tile.scale, tile.shift,
+            tile.scale, tile.shift, selection.steps,
         )]
     try:
         runs = select_runs(tile, plan.shape, shape, piece.offset[0], piece.shape[0])

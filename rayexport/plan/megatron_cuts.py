@@ -230,9 +230,39 @@ def _fused_experts(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile
     return permute(cut.boxes(stored, [(0, 0, stored[0])]), order)
 
 
+def _gpt_oss_gate_up(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile, ...]:
+    """gpt-oss's experts' `gate_up_proj` (experts, hidden, 2 * ffn) or its bias (experts, 2 * ffn):
+    the gate and up columns interleaved, gate first, where `linear_fc1` is (experts, [gate ; up],
+    hidden) as saved."""
+    inner, lead = cut.inner, len(cut.index)
+    weight = len(shape) == 3
+    rows = (shape[0], shape[2], shape[1]) if weight else shape
+    if len(shape) not in (2, 3) or shape[-1] % 2 or inner != rows:
+        raise cut.misfit(name, shape, "every expert's [gate ; up] rows")
+    half = shape[-1] // 2
+    axes = (lead, lead + 2, lead + 1) if weight else (lead, lead + 1)
+    return tuple(
+        Tile(cut.key, (0,) * (len(shape) - 1) + (part,), (*shape[:-1], half),
+             (*cut.index, 0, part * half, *((0,) if weight else ())), axes, target_steps=(1,) * (len(shape) - 1) + (2,))
+        for part in (0, 1)
+    )
+
+
+def _gpt_oss_down(cut: Cut, name: str, shape: tuple, parts: dict) -> tuple[Tile, ...]:
+    """gpt-oss's experts' `down_proj` (experts, ffn, hidden), each expert's `linear_fc2`
+    (hidden, ffn) transposed, whatever the sizes (gpt-oss's are square); its bias (experts,
+    hidden) as saved."""
+    if len(shape) != 3:
+        return _direct(cut, name, shape, parts)
+    stored = (shape[0], shape[2], shape[1])
+    if cut.inner != stored:
+        raise cut.misfit(name, shape, "every expert's linear_fc2, transposed")
+    return permute(cut.boxes(stored, [(0, 0, stored[0])]), (0, 2, 1))
+
+
 _CUTS = {
     "direct": _direct, "qkv": _qkv, "concatenated_qkv": _concatenated_qkv, "gated_mlp": _gated_mlp,
     "fused_experts": _fused_experts, "fused_gated_experts": _fused_experts, "zero_centered_norm": _zero_centred,
-    "zeros": _zeros,
+    "zeros": _zeros, "gpt_oss_gate_up": _gpt_oss_gate_up, "gpt_oss_down": _gpt_oss_down,
     **dict.fromkeys(SPLITS, _pieces),
 }

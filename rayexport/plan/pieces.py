@@ -28,7 +28,8 @@ class Piece:
     of the rank's local shard, laid out along the output's axes (`axes`, as in `Tile`); otherwise the whole local shard.
     A piece with a one-element offset in a tensor of other than one dimension is a run of the
     flattened tensor (`is_run`), as DeepSpeed ZeRO partitions parameters. Its values are
-    multiplied by `scale` and `shift` added as they are read (a tile's, `rayexport.plan.tiles.Tile`)."""
+    multiplied by `scale` and `shift` added as they are read, and land on every
+    `placement_steps[i]`-th index of the output along axis i (a tile's, `rayexport.plan.tiles.Tile`)."""
 
     rank: int
     source_key: str
@@ -39,6 +40,7 @@ class Piece:
     axes: tuple[int | None, ...] | None = None
     scale: float = 1.0
     shift: float = 0.0
+    placement_steps: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -61,6 +63,12 @@ def _affine(values: torch.Tensor, piece: Piece) -> torch.Tensor:
     if piece.scale == 1 and not piece.shift:
         return values
     return values * piece.scale + piece.shift  # the shift after the scale: 0 x -1 + 0 is +0, not -0
+
+
+def placed(piece: Piece) -> tuple[slice, ...]:
+    """Where `piece` lands in its output tensor: a slice per axis."""
+    steps = piece.placement_steps or (1,) * len(piece.offset)
+    return tuple(slice(start, start + (length - 1) * step + 1, step) for start, length, step in zip(piece.offset, piece.shape, steps))
 
 
 def is_run(piece: Piece, shape: tuple[int, ...]) -> bool:

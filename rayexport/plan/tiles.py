@@ -20,7 +20,9 @@ class Tile:
     """target[offset : offset + shape] is a box of tensor `source` starting at `source_offset`.
     Target axis i runs along source axis `axes[i]` (None: a unit axis the source lacks); a
     source axis no target axis runs along has extent 1 in the box. Along source axis a the box
-    takes every `steps[a]`-th index (no steps: every index). Every element taken is multiplied
+    takes every `steps[a]`-th index (no steps: every index); along target axis i it lands on
+    every `target_steps[i]`-th index from its offset (gpt-oss's gate and up columns, interleaved
+    in Hugging Face's tensor; never along the first axis). Every element taken is multiplied
     by `scale` and `shift` added: a producer that saves a tensor less a constant (Megatron-Core's
     zero-centred norms, which Hugging Face's hold with their 1 added) needs it added back, and
     one that has no tensor where the model holds zeros (a value head's bias) gives them as 0 x a
@@ -34,10 +36,15 @@ class Tile:
     steps: tuple[int, ...] = ()
     scale: float = 1.0
     shift: float = 0.0
+    target_steps: tuple[int, ...] = ()
 
     def step(self, axis: int) -> int:
         """How far apart the box's indices along source axis `axis` are."""
         return self.steps[axis] if self.steps else 1
+
+    def target_step(self, axis: int) -> int:
+        """How far apart the box's places along target axis `axis` are."""
+        return self.target_steps[axis] if self.target_steps else 1
 
     @property
     def source_shape(self) -> tuple[int, ...]:
@@ -65,9 +72,17 @@ def is_whole(tiles: tuple[Tile, ...], shape: tuple[int, ...], source_shape: tupl
     return len(tiles) == 1 and tuple(shape) == tuple(source_shape) and tiles[0] == whole(tiles[0].source, shape)
 
 
+def _placed_densely(tiles: tuple[Tile, ...]) -> tuple[Tile, ...]:
+    """`tiles`, none of which lands on every k-th index of the target: the moves below keep a
+    tile's box in one piece of the target."""
+    if any(tile.target_steps for tile in tiles):
+        raise ValueError(f"a tile of '{tiles[0].source}' interleaved in its target cannot be moved further")
+    return tiles
+
+
 def narrow(tiles: tuple[Tile, ...], dim: int, start: int, length: int) -> tuple[Tile, ...]:
     """The tiles of `tensor.narrow(dim, start, length)`."""
-    narrowed = []
+    tiles, narrowed = _placed_densely(tiles), []
     for tile in tiles:
         low = max(start, tile.offset[dim])
         high = min(start + length, tile.offset[dim] + tile.shape[dim])
@@ -87,6 +102,7 @@ def narrow(tiles: tuple[Tile, ...], dim: int, start: int, length: int) -> tuple[
 
 def drop_axis(tiles: tuple[Tile, ...], dim: int) -> tuple[Tile, ...]:
     """The tiles of `tensor.squeeze(dim)` for a unit `dim`."""
+    tiles = _placed_densely(tiles)
     return tuple(
         replace(tile, offset=_drop(tile.offset, dim), shape=_drop(tile.shape, dim), axes=_drop(tile.axes, dim))
         for tile in tiles
@@ -95,6 +111,7 @@ def drop_axis(tiles: tuple[Tile, ...], dim: int) -> tuple[Tile, ...]:
 
 def insert_axis(tiles: tuple[Tile, ...], dim: int) -> tuple[Tile, ...]:
     """The tiles of `tensor.unsqueeze(dim)`."""
+    tiles = _placed_densely(tiles)
     return tuple(
         replace(tile, offset=_insert(tile.offset, dim, 0), shape=_insert(tile.shape, dim, 1), axes=_insert(tile.axes, dim, None))
         for tile in tiles
@@ -109,6 +126,7 @@ def permute(tiles: tuple[Tile, ...], order: tuple[int, ...]) -> tuple[Tile, ...]
             offset=tuple(tile.offset[axis] for axis in order),
             shape=tuple(tile.shape[axis] for axis in order),
             axes=tuple(tile.axes[axis] for axis in order),
+            target_steps=tuple(tile.target_steps[axis] for axis in order) if tile.target_steps else (),
         )
         for tile in tiles
     )
@@ -118,6 +136,7 @@ def concatenate(parts: list[tuple[tuple[Tile, ...], int]], dim: int) -> tuple[Ti
     """The tiles of `torch.cat` along `dim` of tensors given as (tiles, size along dim)."""
     joined, position = [], 0
     for tiles, size in parts:
+        tiles = _placed_densely(tiles)
         joined.extend(replace(tile, offset=_set(tile.offset, dim, tile.offset[dim] + position)) for tile in tiles)
         position += size
     return tuple(joined)
@@ -126,7 +145,7 @@ def concatenate(parts: list[tuple[tuple[Tile, ...], int]], dim: int) -> tuple[Ti
 def invert(tile: Tile, target: str) -> Tile:
     """The same box seen the other way round: the region of `tile.source` that `target`
     (the tensor `tile` belongs to) provides."""
-    if any(step != 1 for step in tile.steps) or tile.scale != 1 or tile.shift:
+    if any(step != 1 for step in tile.steps + tile.target_steps) or tile.scale != 1 or tile.shift:
         raise ValueError(f"a tile of '{tile.source}' taking every k-th index, or changing its values, has no inverse")
     return Tile(
         source=target,
@@ -141,12 +160,13 @@ def invert(tile: Tile, target: str) -> Tile:
 class Selection:
     """What a worker sends for one tile of one shard: the box `region` (start, length, step per
     axis) of its local shard, laid out along the target's axes (`axes`, as in `Tile`), placed
-    at `offset` in the target with extent `shape`."""
+    at `offset` in the target with extent `shape`, on every `steps[i]`-th index along axis i."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     region: tuple[tuple[int, int, int], ...]
     axes: tuple[int | None, ...]
+    steps: tuple[int, ...] = ()
 
 
 def select(tile: Tile, shard_offset: tuple[int, ...], shard_shape: tuple[int, ...]) -> Selection | None:
@@ -164,9 +184,11 @@ def select(tile: Tile, shard_offset: tuple[int, ...], shard_shape: tuple[int, ..
             return None
         region.append((start + step * first - shard_start, last - first, step))
         firsts.append(first)
-    offset = tuple(tile.offset[i] + (firsts[axis] if axis is not None else 0) for i, axis in enumerate(tile.axes))
+    offset = tuple(
+        tile.offset[i] + (firsts[axis] * tile.target_step(i) if axis is not None else 0) for i, axis in enumerate(tile.axes)
+    )
     shape = tuple(region[axis][1] if axis is not None else 1 for axis in tile.axes)
-    return Selection(offset, shape, tuple(region), tile.axes)
+    return Selection(offset, shape, tuple(region), tile.axes, tile.target_steps)
 
 
 class BoxIndex:
@@ -229,7 +251,7 @@ def select_runs(
     run meets a consecutive stretch of those chunks, found by bisection. A transposed or strided
     tile has no such chunks (ValueError)."""
     along = [axis for axis in tile.axes if axis is not None]
-    if any(step != 1 for step in tile.steps) or along != sorted(along):
+    if any(step != 1 for step in tile.steps + tile.target_steps) or along != sorted(along):
         raise ValueError(f"a transposed or strided tile of '{tile.source}' does not cut runs of its flattened elements")
     extent = tile.source_shape
     chunk = min(_contiguous(extent, source_shape), _contiguous(tile.shape, target_shape))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from rayexport.common.dtypes import dtype_of
 from rayexport.plan.lora import merge_lora
 from rayexport.plan.naming import TensorPlan
-from rayexport.plan.pieces import Piece, is_run
+from rayexport.plan.pieces import Piece, is_run, placed
 from rayexport.plan.schedule import packed_offsets
 
 if TYPE_CHECKING:
@@ -48,8 +48,7 @@ def assemble(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> torch.Tenso
         if is_run(piece, plan.shape):
             full.view(-1)[piece.offset[0]:piece.offset[0] + piece.shape[0]] = pieces[piece]
             continue
-        region = tuple(slice(start, start + length) for start, length in zip(piece.offset, piece.shape))
-        full[region] = pieces[piece]
+        full[placed(piece)] = pieces[piece]
     return full
 
 
@@ -68,7 +67,7 @@ def output_chunks(plan: TensorPlan, pieces: dict[Piece, torch.Tensor]) -> list[t
             assemble(plan, pieces)
         ]
     whole_rows = all(
-        not is_run(piece, plan.shape) and piece.offset[1:] == (0,) * (len(plan.shape) - 1)
+        not is_run(piece, plan.shape) and not piece.placement_steps and piece.offset[1:] == (0,) * (len(plan.shape) - 1)
         and piece.shape[1:] == plan.shape[1:]
         for piece in plan.pieces
     )

@@ -224,7 +224,8 @@ class _TensorCheck:
             start, stop = max(first_row, offset[0]), min(first_row + block_rows, offset[0] + extent[0])
             if start >= stop:
                 continue
-            if list(offset[1:]) == [0] * (len(offset) - 1) and list(extent[1:]) == list(self.shape[1:]):
+            steps = piece.get("steps") or [1] * len(offset)  # along every axis but the first (`Tile.target_steps`)
+            if list(offset[1:]) == [0] * (len(offset) - 1) and list(extent[1:]) == list(self.shape[1:]) and max(steps) == 1:
                 digest.update(memoryview(data)[(start - first_row) * row:(stop - first_row) * row])
                 hashed += (stop - start) * row
                 continue
@@ -233,7 +234,7 @@ class _TensorCheck:
 
                 values = torch.frombuffer(bytearray(data), dtype=dtype_of(self.dtype)).view(block_rows, *self.shape[1:])
             region = (slice(start - first_row, stop - first_row),) + tuple(
-                slice(begin, begin + length) for begin, length in zip(offset[1:], extent[1:])
+                slice(begin, begin + (length - 1) * step + 1, step) for begin, length, step in zip(offset[1:], extent[1:], steps[1:])
             )
             box = tensor_bytes(values[region])
             digest.update(box)
