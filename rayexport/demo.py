@@ -46,11 +46,16 @@ def tiny_config(kind: str = "qwen2-tied", **overrides):
 
 
 def build_model(config, seed: int = 0) -> torch.nn.Module:
-    """The model for `config` with deterministic random weights (no download)."""
-    from transformers import AutoModelForCausalLM
+    """The model for `config` (the transformers class its `architectures` names, else remote
+    code's causal LM) with deterministic random weights (no download)."""
+    import transformers
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    architecture = getattr(transformers, (config.architectures or [""])[0], None)
+    if architecture is not None:
+        model = architecture._from_config(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=True)
     with torch.no_grad():  # move norms off 1.0 so a swapped or missing tensor changes logits
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -26,6 +26,7 @@ RAY_HEAD = pytest.StashKey()
 # test slow for another reason (a cluster, a virtualenv, a subprocess export) is marked itself.
 SLOW_FIXTURES = frozenset({
     "ray_address", "s3_endpoint", "verl_checkpoints", "hf_sharded_checkpoints", "megatron_checkpoints", "deepspeed_checkpoints",
+    "megatron_bridge_checkpoints",
 })
 
 
@@ -164,9 +165,12 @@ def verl_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl")
     gpt2 = GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128, dtype="float32")
     gpt2.architectures = ["GPT2LMHeadModel"]
+    critic = tiny_config("qwen2-tied", num_labels=1, id2label={0: "value"})  # verl's critic: a value per token
+    critic.architectures = ["Qwen2ForTokenClassification"]
     return write_verl_checkpoints({
         "tied": VerlJob(tiny_config("qwen2-tied"), str(root / "tied"), world_size=3),
         "untied": VerlJob(tiny_config("llama-untied"), str(root / "untied"), world_size=3),
+        "critic": VerlJob(critic, str(root / "critic"), world_size=3),
         "hsdp": VerlJob(tiny_config("qwen2-tied"), str(root / "hsdp"), world_size=4, mesh_shape=(2, 2)),
         "lora": VerlJob(tiny_config("qwen2-tied"), str(root / "lora"), world_size=3, lora=LORA),
         "lora_only": VerlJob(tiny_config("qwen2-tied"), str(root / "lora-only"), world_size=2, lora=LORA, lora_only=True),
@@ -253,6 +257,14 @@ def _write_megatron(root: str) -> dict[str, str]:
     return write_megatron_checkpoints(root)
 
 
+def _write_megatron_bridge(root: str) -> dict[str, str]:
+    from support.megatron_bridge_checkpoints import write_megatron_bridge_checkpoints
+    from support.megatron_bridge_registry_checkpoints import write_registry_checkpoints
+
+    built = write_megatron_bridge_checkpoints(os.path.join(root, "built"))
+    return {**built, **write_registry_checkpoints(os.path.join(root, "registry"))}
+
+
 def _write_deepspeed(root: str) -> dict[str, str]:
     from support.deepspeed_checkpoints import write_deepspeed_checkpoints
 
@@ -261,7 +273,10 @@ def _write_deepspeed(root: str) -> dict[str, str]:
 
 # The other trainers' saves, each written by its own package in a process of its own (a minute
 # or more each), in the order the tests need them: fixture name, folder, writer.
-SAVES = (("deepspeed_checkpoints", "deepspeed", _write_deepspeed), ("megatron_checkpoints", "megatron", _write_megatron))
+SAVES = (
+    ("deepspeed_checkpoints", "deepspeed", _write_deepspeed), ("megatron_checkpoints", "megatron", _write_megatron),
+    ("megatron_bridge_checkpoints", "megatron-bridge", _write_megatron_bridge),
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -294,6 +309,13 @@ def megatron_checkpoints(saves_written_ahead):
     """Real Megatron-Core torch_dist checkpoints, by name (`support.megatron_checkpoints.CASES`),
     which the Megatron, node-local and vLLM tests share."""
     return saves_written_ahead["megatron_checkpoints"].result()
+
+
+@pytest.fixture(scope="session")
+def megatron_bridge_checkpoints(saves_written_ahead):
+    """Real Megatron-Core torch_dist checkpoints written by Megatron-Bridge 0.6.2, by name
+    (`support.megatron_bridge_checkpoints.CASES`, `support.megatron_bridge_registry_checkpoints.REGISTRY_CASES`)."""
+    return saves_written_ahead["megatron_bridge_checkpoints"].result()
 
 
 @pytest.fixture(scope="session")

@@ -151,3 +151,23 @@ def test_a_good_tokenizer_and_bfloat16_reload_pass_verification(checkpoints, tmp
     assert transfer["written"] == written and transfer["hashed"] == 3 * written
     assert transfer["hashed_sha256"] == written and transfer["copied"] >= 2 * written  # the scan's cast and the writer's
     assert check["read"] == sum(record["size"] for record in manifest["files"].values())
+
+
+def test_a_critic_exports_with_its_value_head(verl_checkpoints, tmp_path):
+    """verl's FSDP critic (a token classifier of one label: a value per token) exports with its
+    `score` head, weight and bias, and reloads computing the critic's values."""
+    from transformers import AutoModelForTokenClassification
+
+    from support.helpers import exported_tensors
+    from support.models import PROMPT_IDS
+
+    critic, destination = verl_checkpoints["critic"], str(tmp_path / "export")
+    completed = run_main("--src", critic.path, "--dst", destination, "--verify", "full", "--dtype", "float32")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    tensors = exported_tensors(destination)
+    assert {"score.weight", "score.bias"} <= set(tensors) and "lm_head.weight" not in tensors
+    model = AutoModelForTokenClassification.from_pretrained(destination).eval()
+    with torch.no_grad():
+        values = model(input_ids=torch.tensor(PROMPT_IDS)).logits
+    assert values.shape[-1] == 1
+    torch.testing.assert_close(values, critic.logits, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,5 @@
 """Virtualenvs for the tests that run another package's own code (torchtitan, vLLM, Megatron-Core,
-DeepSpeed), kept under a cache folder that test sessions share, so that only the first session
+Megatron-Bridge, DeepSpeed), kept under a cache folder that test sessions share, so that only the first session
 pays for the install.
 Each sees the test session's own torch (`share_torch`) instead of installing a second copy."""
 
@@ -59,6 +59,7 @@ def write_cases(python: str, script: str, root: str, cases: dict[str, list[str]]
     import json
 
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    os.makedirs(root, exist_ok=True)
     folders = {name: os.path.join(root, name) for name in cases}
     batch = os.path.join(root, "cases.json")
     with open(batch, "w") as f:
@@ -71,13 +72,14 @@ def build_all() -> None:
     """Every virtualenv the tests use: `python tests/support/virtualenvs.py`, which CI starts
     beside the tests so that the builds overlap them (a test needing one waits for its build)."""
     from support.deepspeed_env import deepspeed_python
+    from support.megatron_bridge_env import megatron_bridge_python
     from support.megatron_env import megatron_python
     from support.torchtitan_env import torchtitan_python
     from support.vllm_env import vllm_python
 
     # in the order the tests need them
-    print(deepspeed_python(DEEPSPEED_CACHE), megatron_python(MEGATRON_CACHE), vllm_python(VLLM_CACHE),
-          torchtitan_python(TORCHTITAN_CACHE), flush=True)
+    print(deepspeed_python(DEEPSPEED_CACHE), megatron_python(MEGATRON_CACHE), megatron_bridge_python(MEGATRON_CACHE),
+          vllm_python(VLLM_CACHE), torchtitan_python(TORCHTITAN_CACHE), flush=True)
 
 
 if __name__ == "__main__":
