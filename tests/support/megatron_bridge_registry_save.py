@@ -101,12 +101,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import faulthandler
 import json
 import math
 import os
-import pickle
 import shutil
 import sys
 import tempfile
@@ -442,11 +439,9 @@ def cpu_provider(bridge, args: argparse.Namespace):
 def run_rank(rank: int, args: argparse.Namespace, hf_dir: str, rendezvous: str) -> None:
     """One gloo rank: Megatron's model of `hf_dir` at TP `args.tp`, loaded by Megatron-Bridge,
     saved by Megatron-Core, exported by Megatron-Bridge (rank 0 writes the export)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.tp))
-    faulthandler.enable()
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.tp,
-                            timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
-    torch.set_num_threads(1)
+    from megatron_save import join_gloo
+
+    join_gloo(rank, args.tp, rendezvous, RANK_TIMEOUT_S)
     from megatron.bridge import AutoBridge
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -577,6 +572,8 @@ def write(args: argparse.Namespace) -> None:
             image_processor(model.config).save_pretrained(huggingface)
     reference = os.path.join(args.out, "reference")
     save_file({"logits": prompt_logits(model)}, os.path.join(reference, "logits.safetensors"))
+    from megatron_save import describe_checkpoint
+
     description = describe_checkpoint(os.path.join(args.out, "model", "dist_ckpt"))
     with open(os.path.join(reference, "keys.json"), "w") as f:
         json.dump(description, f, indent=1)
@@ -598,32 +595,6 @@ def check_export(args: argparse.Namespace, original: dict, exported: dict) -> No
         if not same:
             raise SystemExit(f"{args.out}: export of {name} differs from the Hugging Face tensor "
                              f"({tuple(got.shape)} vs {tuple(expected.shape)})")
-
-
-def describe_checkpoint(directory: str) -> dict:
-    """The saved `.metadata`: each key's global shape and dtype (or bytes) and its chunks, the
-    folder's files, and every class the pickle names."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    named = set()
-
-    class Recording(pickle.Unpickler):
-        def find_class(self, module, name):
-            named.add(f"{module}.{name}")
-            return super().find_class(module, name)
-
-    with open(os.path.join(directory, ".metadata"), "rb") as f:
-        Recording(f).load()
-    metadata = FileSystemReader(directory).read_metadata()
-    keys = {}
-    for key, item in sorted(metadata.state_dict_metadata.items()):
-        if isinstance(item, TensorStorageMetadata):
-            keys[key] = dict(shape=list(item.size), dtype=str(item.properties.dtype).removeprefix("torch."),
-                             chunks=[[list(c.offsets), list(c.sizes)] for c in item.chunks])
-        else:
-            keys[key] = dict(bytes=True)
-    return dict(keys=keys, files=sorted(os.listdir(directory)), metadata_globals=sorted(named))
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -59,8 +59,6 @@ sparse attention, Qwen3-Next's and Qwen3.5's gated delta net) cannot be built he
 from __future__ import annotations
 
 import argparse
-import datetime
-import faulthandler
 import json
 import os
 import sys
@@ -423,12 +421,9 @@ def with_value_head(model: list) -> list:
 
 def run_rank(rank: int, args: argparse.Namespace, world: int, rendezvous: str, hf_dir: str) -> None:
     """One gloo rank: Megatron's parallel state, Megatron-Bridge's model, the save and the references."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    faulthandler.enable()  # a crash in a rank (gloo, a kernel) shows where it was
-    # A rank that fails leaves the others waiting in a collective: the timeout turns that into an error.
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
-    torch.set_num_threads(1)
+    from megatron_save import join_gloo
+
+    join_gloo(rank, world, rendezvous, RANK_TIMEOUT_S)
     install_cpu_stand_ins()
     build_and_save(args, hf_dir)
     dist.barrier()

@@ -505,14 +505,20 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 # --- one rank --------------------------------------------------------------------------------
 
 
-def run_rank(rank: int, args: argparse.Namespace, world: int, rendezvous: str) -> None:
-    """One gloo rank: build, train `--steps` steps and save as verl's Megatron actor does."""
+def join_gloo(rank: int, world: int, rendezvous: str, timeout_s: float = RANK_TIMEOUT_S) -> None:
+    """This process as gloo rank `rank` of `world`, meeting the others at the file `rendezvous`,
+    one thread each (the Megatron writers' ranks: this one's and the Megatron-Bridge ones')."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     faulthandler.enable()  # a crash in a rank (gloo, a kernel) shows where it was
     # A rank that fails leaves the others waiting in a collective: the timeout turns that into an error.
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
+
+
+def run_rank(rank: int, args: argparse.Namespace, world: int, rendezvous: str) -> None:
+    """One gloo rank: build, train `--steps` steps and save as verl's Megatron actor does."""
+    join_gloo(rank, world, rendezvous)
     install_cpu_stand_ins()
     with CudaOnCpu():
         train_and_save(rank, args)
