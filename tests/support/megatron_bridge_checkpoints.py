@@ -7,9 +7,10 @@ Face model's logits beside it (`reference/`)."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 from support.megatron_bridge_env import megatron_bridge_python
-from support.virtualenvs import MEGATRON_CACHE, write_cases
+from support.virtualenvs import MEGATRON_CACHE, REPO, write_cases
 
 SAVE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_bridge_save.py")
 
@@ -17,7 +18,6 @@ SAVE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron
 # names or stores a model
 CASES = {
     "qwen3-tp2": ["--arch", "Qwen3ForCausalLM", "--tp", "2"],
-    "qwen3_moe-ep2-megatron-lm": ["--arch", "Qwen3MoeForCausalLM", "--ep", "2", "--layout", "megatron-lm"],
     "qwen3_vl-tp2": ["--arch", "Qwen3VLForConditionalGeneration", "--tp", "2"],
     "qwen3_vl_moe-ep2": ["--arch", "Qwen3VLMoeForConditionalGeneration", "--ep", "2"],
     "gpt_oss-ep2": ["--arch", "GptOssForCausalLM", "--ep", "2"],
@@ -49,10 +49,22 @@ CASES = {
 }
 
 
+# The key, among the saves, of tools/megatron_bridge_tables.py's output for this Megatron-Bridge.
+GENERATED_TABLES = "generated-tables"
+TABLES_SCRIPT = os.path.join(REPO, "tools", "megatron_bridge_tables.py")
+
+
 def write_megatron_bridge_checkpoints(root: str) -> dict[str, str]:
     """Every case of `CASES` saved under `root`, by name, by one Megatron-Bridge process; the
-    folder each was saved in."""
-    return write_cases(megatron_bridge_python(MEGATRON_CACHE), SAVE_SCRIPT, root, CASES, timeout=900)
+    folder each was saved in; and under `GENERATED_TABLES`, the tables the script makes of this
+    Megatron-Bridge's registries (written here, beside the saves, so that no test waits for its
+    import)."""
+    python = megatron_bridge_python(MEGATRON_CACHE)
+    tables = os.path.join(root, "megatron_bridge_tables.json")
+    os.makedirs(root, exist_ok=True)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    subprocess.run([python, TABLES_SCRIPT, "--out", tables], check=True, timeout=300, capture_output=True, env=env)
+    return {**write_cases(python, SAVE_SCRIPT, root, CASES, timeout=900), GENERATED_TABLES: tables}
 
 
 def source_of(folder: str) -> tuple[str, list[str]]:
